@@ -1,0 +1,82 @@
+"""Describe a params pytree: one record per leaf, without allocating anything.
+
+Accepts a plain dict, Flax linen params (boxed in ``Partitioned``/``LogicallyPartitioned`` or
+not), an ``nnx.State``, or any pytree whose leaves are arrays or ``jax.ShapeDtypeStruct``.
+Boxes are pytree nodes whose only leaf is the array, so the flat leaf order is the same with or
+without them: everything downstream works on that flat order and on leaf *paths*.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One parameter: its path (``"blocks/attn/kernel"``), shape, dtype and size."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole (unsharded) parameter: size x itemsize."""
+        return self.size * self.dtype.itemsize
+
+
+def _key_name(key) -> str | None:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        # Flax boxes (.value) and nnx Variables add an attribute step that is not part of the name.
+        return None if key.name in ("value", "raw_value") else key.name
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return None
+    return str(key)
+
+
+def path_name(path) -> str:
+    """``(DictKey('a'), GetAttrKey('value'))`` -> ``"a"``."""
+    return "/".join(n for n in (_key_name(k) for k in path) if n is not None)
+
+
+def describe(params) -> list[ParamInfo]:
+    """One :class:`ParamInfo` per leaf of ``params``, in flat leaf order.
+
+    >>> import jax.numpy as jnp
+    >>> describe({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)})[0].nbytes
+    24
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    if not flat:
+        raise ValueError("params has no array leaves: nothing to plan")
+    infos = []
+    for path, leaf in flat:
+        if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise TypeError(f"params leaf {path_name(path)!r} is a {type(leaf).__name__}, not an array "
+                            f"or jax.ShapeDtypeStruct")
+        infos.append(ParamInfo(path_name(path), tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype)))
+    names = [i.path for i in infos]
+    if len(set(names)) != len(names):
+        raise ValueError("params has two leaves with the same path name; give them distinct keys")
+    return infos
+
+
+def unboxed_treedef(params):
+    """The treedef of ``params`` with Flax linen metadata boxes removed (nnx.State kept as is)."""
+    try:
+        from flax.core import meta
+        params = meta.unbox(params)
+    except ImportError:  # pragma: no cover - flax is a dependency, but planning needs only jax
+        pass
+    return jax.tree.structure(params)

@@ -1,0 +1,146 @@
+"""Hardware descriptions: the constants the time model needs, each with its source.
+
+Collective times use the ring model over N devices with per-device bus bandwidth W (bytes/s) and a
+per-collective latency a (s), for a message of V bytes (the full, unsharded size):
+
+    all-gather(V)     = a + (N-1)/N * V / W
+    reduce-scatter(V) = a + (N-1)/N * V / W
+    all-reduce(V)     = a + 2(N-1)/N * V / W
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device type and its interconnect.
+
+    Attributes:
+      name: preset name or a free label.
+      memory_bytes: device memory, bytes.
+      flops: dense matmul throughput assumed reachable by a training step, FLOP/s per device.
+      bandwidth: per-device collective (bus) bandwidth, bytes/s.
+      latency: fixed cost of one collective, seconds.
+      sources: where each number comes from, keyed by field name.
+    """
+
+    name: str
+    memory_bytes: int
+    flops: float
+    bandwidth: float
+    latency: float
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for field in ("memory_bytes", "flops", "bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"Hardware.{field} must be positive, got {getattr(self, field)!r}")
+        if self.latency < 0:
+            raise ValueError(f"Hardware.latency must be >= 0, got {self.latency!r}")
+
+    def all_gather(self, nbytes: float, n: int) -> float:
+        """Seconds to all-gather a V-byte array over n devices: a + (n-1)/n * V / W."""
+        return 0.0 if n <= 1 else self.latency + (n - 1) / n * nbytes / self.bandwidth
+
+    reduce_scatter = all_gather  # same volume and latency in the ring model
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        """Seconds to all-reduce a V-byte array over n devices: a + 2(n-1)/n * V / W."""
+        return 0.0 if n <= 1 else self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"sources": dict(self.sources)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Hardware":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown hardware field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+_GiB = 2**30
+PRESETS: dict[str, Hardware] = {
+    "titan-rtx-pcie3": Hardware(
+        "titan-rtx-pcie3", 24 * _GiB, 16.3e12, 15.75e9, 20e-6, {
+            "memory_bytes": "NVIDIA TITAN RTX spec sheet: 24 GB GDDR6",
+            "flops": "NVIDIA TITAN RTX spec sheet: 16.3 TFLOPS FP32 (the OSDP paper trained in FP32)",
+            "bandwidth": "PCI-SIG PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 = 15.75 GB/s per direction",
+            "latency": "assumed 20 us per collective over PCIe (typical NCCL small-message latency)",
+        }),
+    "a100-40gb": Hardware(
+        "a100-40gb", 40 * _GiB, 312e12, 300e9, 10e-6, {
+            "memory_bytes": "NVIDIA A100 datasheet: 40 GB HBM2",
+            "flops": "NVIDIA A100 datasheet: 312 TFLOPS BF16 dense tensor core",
+            "bandwidth": "NVIDIA A100 datasheet: NVLink 3 600 GB/s total = 300 GB/s per direction",
+            "latency": "assumed 10 us per collective over NVLink",
+        }),
+    "h100-80gb": Hardware(
+        "h100-80gb", 80 * _GiB, 989e12, 450e9, 10e-6, {
+            "memory_bytes": "NVIDIA H100 SXM5 datasheet: 80 GB HBM3",
+            "flops": "NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense tensor core",
+            "bandwidth": "NVIDIA H100 SXM5 datasheet: NVLink 4 900 GB/s total = 450 GB/s per direction",
+            "latency": "assumed 10 us per collective over NVLink",
+        }),
+    "h200": Hardware(
+        "h200", 141 * 10**9, 989e12, 450e9, 10e-6, {
+            "memory_bytes": "NVIDIA H200 SXM datasheet: 141 GB HBM3e",
+            "flops": "NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense tensor core",
+            "bandwidth": "NVIDIA H200 SXM datasheet: NVLink 900 GB/s total = 450 GB/s per direction",
+            "latency": "assumed 10 us per collective over NVLink",
+        }),
+}
+
+
+def _cpu_preset(n_local: int) -> Hardware:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        ram = 16 * _GiB
+    return Hardware("cpu", max(1, ram // max(1, n_local)), 20e9, 4e9, 50e-6, {
+        "memory_bytes": "host RAM (sysconf) divided by the number of simulated devices",
+        "flops": "nominal 20 GFLOP/s per simulated device, not measured",
+        "bandwidth": "nominal 4 GB/s host memcpy for in-process CPU collectives, not measured",
+        "latency": "nominal 50 us per in-process CPU collective, not measured",
+    })
+
+
+def default_hardware(mesh) -> Hardware:
+    """The preset for the mesh's device kind; memory from the device itself when it reports it."""
+    device = mesh.devices.flat[0]
+    kind = (getattr(device, "device_kind", "") or "").lower()
+    if device.platform == "cpu":
+        return _cpu_preset(len(jax.local_devices()))
+    for key, name in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-40gb"),
+                      ("titan rtx", "titan-rtx-pcie3")):
+        if key in kind:
+            hw = PRESETS[name]
+            break
+    else:
+        hw = dataclasses.replace(PRESETS["h100-80gb"], name=f"unknown ({kind}), h100 numbers")
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        hw = dataclasses.replace(hw, memory_bytes=int(stats["bytes_limit"]),
+                                 sources={**hw.sources, "memory_bytes": "device.memory_stats()"})
+    return hw
+
+
+def resolve_hardware(hardware, mesh) -> Hardware:
+    """A ``Hardware``, a preset name, a dict, or None (the mesh's default)."""
+    if hardware is None:
+        return default_hardware(mesh)
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, Mapping):
+        return Hardware.from_dict(hardware)
+    if isinstance(hardware, str):
+        if hardware in PRESETS:
+            return PRESETS[hardware]
+        raise ValueError(f"unknown hardware preset {hardware!r}; known: {sorted(PRESETS)}")
+    raise TypeError(f"hardware must be a Hardware, a preset name or a dict, got {type(hardware).__name__}")

@@ -1,0 +1,153 @@
+"""The ``Plan``: a strategy and a storage ``PartitionSpec`` per parameter, a batch size, predictions."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from ._units import format_bytes
+
+PLAN_FORMAT = 1
+
+
+def _spec_to_json(spec: P) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _spec_from_json(entries: list) -> P:
+    return P(*[tuple(e) if isinstance(e, list) else e for e in entries])
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """One parameter's decision."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    strategy: str
+    spec: P
+    nbytes: int  # whole parameter, bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How each parameter lives on the data-parallel devices, and the batch size.
+
+    Byte figures are per device for the whole training step; ``predicted_*`` come from the cost
+    model, ``xla_peak_bytes`` from compiling the planned step (None when no ``loss_fn`` was given).
+    """
+
+    params: tuple[ParamPlan, ...]
+    axes: tuple[str, ...]
+    num_devices: int
+    batch_size: int | None
+    budget_bytes: int
+    predicted_peak_bytes: float
+    predicted_step_seconds: float | None
+    predicted_samples_per_second: float | None
+    xla_peak_bytes: int | None = None
+    hardware: str = ""
+    search_seconds: float = 0.0
+    treedef: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    # --- pytree views --------------------------------------------------------------------------
+    def _tree(self, values):
+        if self.treedef is not None:
+            return jax.tree.unflatten(self.treedef, values)
+        tree: dict = {}
+        for pp, v in zip(self.params, values):
+            *parents, leaf = pp.path.split("/")
+            node = tree
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[leaf] = v
+        return tree
+
+    @property
+    def specs(self):
+        """Pytree of ``PartitionSpec`` shaped like the (unboxed) params."""
+        return self._tree([pp.spec for pp in self.params])
+
+    @property
+    def strategies(self):
+        """Pytree of strategy names shaped like the (unboxed) params."""
+        return self._tree([pp.strategy for pp in self.params])
+
+    @property
+    def specs_by_path(self) -> dict[str, P]:
+        return {pp.path: pp.spec for pp in self.params}
+
+    def counts(self) -> dict[str, int]:
+        """Number of parameters per strategy."""
+        return dict(Counter(pp.strategy for pp in self.params))
+
+    # --- text ----------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A table: one row per group of parameters with the same shape, dtype and strategy."""
+        groups: dict[tuple, list[ParamPlan]] = {}
+        for pp in self.params:
+            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec), []).append(pp)
+        rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "bytes each")]
+        for (shape, dtype, strategy, spec), pps in groups.items():
+            name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
+            rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, str(spec)[14:-1] or "",
+                         format_bytes(pps[0].nbytes)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        total = sum(pp.nbytes for pp in self.params)
+        sps = self.predicted_samples_per_second
+        lines += [
+            "",
+            f"mesh axes {self.axes} ({self.num_devices} data-parallel devices), hardware {self.hardware}",
+            f"parameters: {format_bytes(total)} total; strategies: {self.counts()}",
+            f"batch size: {self.batch_size if self.batch_size is not None else '-'}",
+            f"per-device peak: predicted {format_bytes(self.predicted_peak_bytes)}, "
+            f"XLA {format_bytes(self.xla_peak_bytes) if self.xla_peak_bytes is not None else 'not compiled'}, "
+            f"budget {format_bytes(self.budget_bytes)}",
+            f"predicted: {self.predicted_step_seconds * 1e3:.2f} ms/step, {sps:.1f} samples/s"
+            if sps is not None else "predicted throughput: - (no loss_fn/batch given)",
+        ]
+        return "\n".join(lines)
+
+    def __str__(self):
+        return self.summary()
+
+    # --- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("params", "treedef")}
+        d["axes"] = list(self.axes)
+        d["format"] = PLAN_FORMAT
+        d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
+                        "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes}
+                       for pp in self.params]
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        if d.pop("format", None) != PLAN_FORMAT:
+            raise ValueError(f"not an osdp-jax plan (format {PLAN_FORMAT}) JSON")
+        params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
+                                 _spec_from_json(p["spec"]), p["nbytes"]) for p in d.pop("params"))
+        d["axes"] = tuple(d["axes"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(params=params, **{k: v for k, v in d.items() if k in known})
+
+    def check_matches(self, infos) -> None:
+        """Raise a clear error when ``infos`` (from :func:`describe`) are not the planned params."""
+        planned = {pp.path: pp for pp in self.params}
+        for info in infos:
+            pp = planned.get(info.path)
+            if pp is None:
+                raise ValueError(f"parameter {info.path!r} is not in the plan; re-plan for these params")
+            if tuple(pp.shape) != info.shape:
+                raise ValueError(f"parameter {info.path!r} has shape {info.shape} but the plan was made "
+                                 f"for {tuple(pp.shape)}; re-plan for these params")
+        if len(infos) != len(planned):
+            missing = sorted(set(planned) - {i.path for i in infos})
+            raise ValueError(f"the plan has parameters these params lack: {missing[:3]}; re-plan")

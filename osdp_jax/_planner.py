@@ -1,0 +1,178 @@
+"""``plan()``: describe -> cost -> search over batch sizes -> compile-verify -> ``Plan``."""
+from __future__ import annotations
+
+import logging
+import math
+import time as _time
+
+import jax
+import numpy as np
+import optax
+
+from ._cost import Calibration, cost_tables, optimizer_bytes
+from ._describe import describe, unboxed_treedef
+from ._hardware import resolve_hardware
+from ._plan import ParamPlan, Plan
+from ._search import InfeasibleBudgetError, solve
+from ._strategies import STRATEGIES, axes_size, check_strategies, data_axes, spec_for
+from ._units import format_bytes, parse_bytes
+from ._xla import profile_step
+
+log = logging.getLogger("osdp_jax")
+
+MAX_VERIFY_TRIES = 3
+
+
+def _with_batch_size(batch, size: int):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), batch)
+
+
+def _batch_size_of(batch) -> int:
+    sizes = {x.shape[0] if getattr(x, "shape", ()) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"batch leaves must share one leading (global batch) dimension, got {sorted(map(str, sizes))}")
+    return sizes.pop()
+
+
+def _batch_bytes(batch) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch))
+
+
+def _progress(iterable, total, desc):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=total < 2)
+
+
+def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=None, optimizer=None,
+         hardware=None, strategies=None, axis=None, verify: bool = True) -> Plan:
+    """The highest-throughput plan whose whole training step fits ``budget`` per device.
+
+    Args:
+      params: any params pytree (plain, linen boxed or not, ``nnx.State``); arrays or
+        ``jax.ShapeDtypeStruct``. Nothing is allocated.
+      mesh: the device mesh; ``axis`` names its data-parallel axes (default: all of them).
+      budget: per-device bytes, an int or a string such as ``"512MiB"``/``"8GB"``; default the
+        device memory of ``hardware``.
+      loss_fn: ``loss_fn(params, batch) -> mean loss``. With ``batch``, the step is compiled to
+        measure activations, temporaries and FLOPs, and the chosen plan is checked against XLA's
+        per-device peak.
+      batch: an example global batch (pytree; leading dimension = global batch size).
+      batch_sizes: global batch sizes to sweep (default: the example batch's).
+      optimizer: an optax optimizer (default ``optax.adam(1e-3)``); its state is part of the memory.
+      hardware: a :class:`Hardware`, a preset name or a dict; default from the mesh's devices.
+      strategies: allowed strategy names, e.g. ``("zero3",)`` (FSDP) or ``("replicate",)`` (DDP).
+      verify: compile the chosen plan and re-plan if XLA's peak exceeds the budget.
+
+    Raises:
+      InfeasibleBudgetError: no plan fits; ``.min_bytes`` is the smallest budget that would.
+    """
+    infos = describe(params)
+    strategies = check_strategies(strategies)
+    axes = data_axes(mesh, axis)
+    n = axes_size(mesh, axes)
+    hw = resolve_hardware(hardware, mesh)
+    budget_bytes = parse_bytes(budget) if budget is not None else hw.memory_bytes
+    optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
+
+    options = [[spec_for(i, s, axes, n) for s in strategies] for i in infos]
+    available = np.array([[o is not None for o in row] for row in options], dtype=bool)
+    unavailable = [i.path for i, row in zip(infos, available) if not row.any()]
+    if unavailable:
+        raise ValueError(f"parameter {unavailable[0]!r} can take none of the strategies {list(strategies)} "
+                         f"(no dimension divisible by {n} for zero3); allow 'replicate'")
+
+    sizes: list[int | None]
+    if batch is not None:
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+        default_size = _batch_size_of(batch)
+        sizes = sorted(set(batch_sizes)) if batch_sizes is not None else [default_size]
+        bad = [b for b in sizes if b % n or b <= 0]
+        if bad:
+            raise ValueError(f"batch size {bad[0]} is not a positive multiple of the {n} data-parallel "
+                             f"devices; use multiples of {n}")
+    else:
+        if loss_fn is not None:
+            raise ValueError("loss_fn needs an example batch: pass batch=...")
+        sizes = [None]
+
+    zero3_all = {i.path: (spec_for(i, "zero3", axes, n) or spec_for(i, "replicate", axes, n)) for i in infos}
+    repl_all = {i.path: spec_for(i, "replicate", axes, n) for i in infos}
+
+    def calibrate(size):
+        if loss_fn is None:
+            return None
+        b = _with_batch_size(batch, size)
+        return Calibration(profile_step(loss_fn, optimizer, abstract, b, mesh, axes, repl_all),
+                           profile_step(loss_fn, optimizer, abstract, b, mesh, axes, zero3_all))
+
+    t_compile = _time.perf_counter()
+    calibrations = {s: calibrate(s) for s in _progress(sizes, len(sizes), "osdp-jax: compiling probes")}
+    t_compile = _time.perf_counter() - t_compile
+
+    def search(budget_limit):
+        best, min_needed = None, math.inf
+        for size in sizes:
+            bb = _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0
+            tables = cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw, bb,
+                                 calibrations[size])
+            try:
+                sol = solve(tables.time, tables.mem, budget_limit - tables.base_mem)
+            except InfeasibleBudgetError as e:
+                min_needed = min(min_needed, e.min_bytes + tables.base_mem)
+                continue
+            step_s = tables.base_time + sol.time
+            sps = size / step_s if size is not None and step_s > 0 else None
+            key = sps if sps is not None else -sol.time
+            if best is None or key > best[0]:
+                best = (key, size, sol, tables, step_s, sps)
+        return best, min_needed
+
+    t_search = _time.perf_counter()
+    best, min_needed = search(budget_bytes)
+    t_search = _time.perf_counter() - t_search
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"no plan fits a per-device budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) "
+            f"with strategies {list(strategies)}; the smallest budget that fits is "
+            f"{format_bytes(min_needed)} ({math.ceil(min_needed)} bytes). Raise the budget, allow "
+            f"'zero3', or use a smaller batch size", min_bytes=math.ceil(min_needed))
+
+    def build(best_, xla_peak=None):
+        _, size, sol, tables, step_s, sps = best_
+        pps = tuple(ParamPlan(i.path, i.shape, str(i.dtype), strategies[c], options[k][c], i.nbytes)
+                    for k, (i, c) in enumerate(zip(infos, sol.choices)))
+        return Plan(pps, axes, n, size, budget_bytes, tables.base_mem + sol.mem,
+                    step_s if size is not None else None, sps, xla_peak, hw.name, t_search,
+                    unboxed_treedef(params))
+
+    result = build(best)
+    if loss_fn is None or not verify:
+        return result
+    # Compile the chosen plan; if XLA needs more than the model said, lower the budget by the
+    # excess and search again (bounded).
+    limit = budget_bytes
+    for attempt in range(MAX_VERIFY_TRIES):
+        measured = profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, result.batch_size),
+                                mesh, axes, result.specs_by_path).peak_bytes
+        result = build(best, measured)
+        if measured <= budget_bytes:
+            return result
+        log.info("plan attempt %d: XLA peak %s over budget %s; re-planning", attempt + 1,
+                 format_bytes(measured), format_bytes(budget_bytes))
+        limit -= measured - budget_bytes
+        best, _ = search(limit)
+        if best is None:
+            break
+        result = build(best)
+    raise InfeasibleBudgetError(
+        f"the cost model's plans do not fit {format_bytes(budget_bytes)} once compiled (XLA peak "
+        f"{format_bytes(measured)}); raise the budget to at least {measured} bytes",
+        min_bytes=int(measured))
+
+
+__all__ = ["plan", "STRATEGIES"]

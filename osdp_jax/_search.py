@@ -1,0 +1,261 @@
+"""Exact search: the cheapest choice per item under a memory budget.
+
+The problem (all memory in bytes per device, all time in seconds per step)::
+
+    minimise    sum_i time[i, c_i]
+    subject to  sum_i mem[i, c_i] + max_u sum_{i in u} transient[i, c_i]  <=  budget
+
+``mem`` is memory held for the whole step (stored parameter, gradient and optimizer state);
+``transient`` is memory alive only while the items of one *unit* run (a loop body that gathers its
+weights): units run one after another, so only the largest unit's transient counts. Without units
+the problem is the classic multiple-choice knapsack of the original OSDP.
+
+Exactness, without rounding memory to a grid: the search keeps the Pareto frontier of
+(memory, time) over partial assignments, where a point is dropped only when another point is no
+worse in both and that holds for every completion (sums are monotone). The max term is handled by
+enumerating its value T over the finite set of values it can take, each unit restricted to
+configurations with transient <= T, and the budget lowered by T. Identical items are grouped and
+their choices enumerated as counts, which keeps 96 identical layers to one step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+_MAX_COMBOS = 200_000  # largest count enumeration for one group of identical items
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget. ``min_bytes`` is the smallest budget that would fit."""
+
+    def __init__(self, message: str, min_bytes: float):
+        super().__init__(message)
+        self.min_bytes = min_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    """The optimum: ``choices[i]`` is item i's column; ``time`` and ``mem`` (peak, with transient)."""
+
+    choices: np.ndarray
+    time: float
+    mem: float
+
+
+@dataclasses.dataclass
+class _Frontier:
+    """Pareto points sorted by memory ascending, time strictly descending, with back-pointers."""
+
+    mem: np.ndarray
+    time: np.ndarray
+    back: list  # callable(point index) -> list of (item, choice)
+
+
+def _pareto(mem: np.ndarray, time: np.ndarray) -> np.ndarray:
+    """Indices of the Pareto-optimal points (no other point has both mem and time <= )."""
+    order = np.lexsort((time, mem))
+    t_sorted = time[order]
+    best_before = np.minimum.accumulate(np.concatenate([[np.inf], t_sorted[:-1]]))
+    return order[t_sorted < best_before]
+
+
+def _group_frontier(items: list[int], t: np.ndarray, m: np.ndarray, choice_ids: np.ndarray,
+                    mem_cap: float) -> _Frontier:
+    """Frontier of n identical items, each with the same choice rows ``t``, ``m``."""
+    n, c = len(items), len(t)
+    n_combos = math.comb(n + c - 1, c - 1)
+    if c == 1 or n_combos <= _MAX_COMBOS:
+        # All count vectors (k_0..k_{c-1}) summing to n, by stars and bars.
+        counts = _compositions(n, c)
+        mem, time = counts @ m, counts @ t
+        keep = _pareto(mem, time)
+        keep = keep[mem[keep] <= mem_cap]
+        counts = counts[keep]
+
+        def back(k, counts=counts):
+            out, pos = [], 0
+            for col, cnt in enumerate(counts[k]):
+                out += [(items[pos + j], int(choice_ids[col])) for j in range(cnt)]
+                pos += cnt
+            return out
+
+        return _Frontier(mem[keep], time[keep], [back])
+    frontier = _single_frontier(items[0], t, m, choice_ids)
+    for item in items[1:]:
+        frontier = _merge(frontier, _single_frontier(item, t, m, choice_ids), mem_cap)
+    return frontier
+
+
+def _compositions(n: int, c: int) -> np.ndarray:
+    """All vectors of c non-negative ints summing to n, shape (comb(n+c-1, c-1), c)."""
+    partial = np.zeros((1, 0), dtype=np.int64)
+    for _ in range(c - 1):
+        used = partial.sum(axis=1)
+        reps = n - used + 1
+        rows = np.repeat(np.arange(len(partial)), reps)
+        # for each partial row, the next count runs 0..n-used
+        nxt = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+        partial = np.concatenate([partial[rows], nxt[:, None]], axis=1)
+    return np.concatenate([partial, (n - partial.sum(axis=1))[:, None]], axis=1)
+
+
+def _single_frontier(item: int, t, m, choice_ids) -> _Frontier:
+    keep = _pareto(m, t)
+    return _Frontier(m[keep], t[keep], [lambda k, keep=keep: [(item, int(choice_ids[keep[k]]))]])
+
+
+def _merge(a: _Frontier, b: _Frontier, mem_cap: float) -> _Frontier:
+    """Minkowski sum of two frontiers, pruned to the Pareto set within ``mem_cap``."""
+    mem = (a.mem[:, None] + b.mem[None, :]).ravel()
+    time = (a.time[:, None] + b.time[None, :]).ravel()
+    keep = _pareto(mem, time)
+    keep = keep[mem[keep] <= mem_cap]
+    ia, ib = np.divmod(keep, len(b.mem))
+
+    def back(k):
+        return a.back[0](ia[k]) + b.back[0](ib[k])
+
+    return _Frontier(mem[keep], time[keep], [back])
+
+
+def _solve_additive(rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], cap: float):
+    """min sum time s.t. sum mem <= cap over items given as (item, time, mem, choice_ids).
+
+    Returns (time, mem, [(item, choice)]) or None when nothing fits.
+    """
+    groups: dict[tuple, list] = {}
+    for item, t, m, ids in rows:
+        key = (t.tobytes(), m.tobytes(), ids.tobytes())
+        groups.setdefault(key, [t, m, ids, []])[3].append(item)
+    # Memory that the other groups need at the least, so a partial point that cannot be completed
+    # within the cap is dropped early.
+    mins = [len(g[3]) * g[1].min() for g in groups.values()]
+    remaining = sum(mins)
+    frontier = None
+    for (t, m, ids, items), min_here in zip(groups.values(), mins):
+        remaining -= min_here
+        group = _group_frontier(items, t, m, ids, cap - remaining - (frontier.mem[0] if frontier else 0))
+        frontier = group if frontier is None else _merge(frontier, group, cap - remaining)
+        if len(frontier.mem) == 0:
+            return None
+    if frontier is None:
+        return 0.0, 0.0, []
+    best = int(np.argmin(np.where(frontier.mem <= cap, frontier.time, np.inf)))
+    if frontier.mem[best] > cap:
+        return None
+    return float(frontier.time[best]), float(frontier.mem[best]), frontier.back[0](best)
+
+
+def _unit_configs(items, time_cost, mem_cost, transient):
+    """Every Pareto-useful configuration of one unit: (time, mem, transient, [(item, choice)])."""
+    configs = [(0.0, 0.0, 0.0, [])]
+    for i in items:
+        new = []
+        for t0, m0, a0, pick in configs:
+            for c in np.flatnonzero(np.isfinite(time_cost[i]) & np.isfinite(mem_cost[i])):
+                new.append((t0 + time_cost[i, c], m0 + mem_cost[i, c], a0 + transient[i, c],
+                            pick + [(i, int(c))]))
+        # drop configurations dominated in all three coordinates
+        new.sort(key=lambda x: (x[2], x[1], x[0]))
+        kept = []
+        for cfg in new:
+            if not any(k[0] <= cfg[0] and k[1] <= cfg[1] and k[2] <= cfg[2] for k in kept):
+                kept.append(cfg)
+        configs = kept
+    return configs
+
+
+def solve(time_cost, mem_cost, budget: float, *, transient=None,
+          units: Sequence[int] | None = None) -> Solution:
+    """Exact optimum of the per-item choice under a memory budget.
+
+    Args:
+      time_cost: ``(n_items, n_choices)`` seconds; ``inf`` marks a choice the item does not have.
+      mem_cost: ``(n_items, n_choices)`` bytes (any unit, as long as ``budget`` uses the same).
+      budget: the memory limit.
+      transient: optional ``(n_items, n_choices)`` memory alive only while the item's unit runs.
+      units: optional unit id per item for ``transient``; by default each item is its own unit.
+        Items with ``units[i] < 0`` have no transient.
+
+    Returns:
+      A :class:`Solution`.
+
+    Raises:
+      InfeasibleBudgetError: when no assignment fits, with the smallest budget that would.
+
+    >>> solve([[1.0, 2.0]], [[10.0, 5.0]], budget=8).choices
+    array([1])
+    """
+    time_cost = np.asarray(time_cost, dtype=np.float64)
+    mem_cost = np.asarray(mem_cost, dtype=np.float64)
+    if time_cost.ndim != 2 or time_cost.shape != mem_cost.shape:
+        raise ValueError(f"time_cost and mem_cost must be 2-D arrays of one shape, got "
+                         f"{time_cost.shape} and {mem_cost.shape}")
+    n = time_cost.shape[0]
+    ok = np.isfinite(time_cost) & np.isfinite(mem_cost)
+    if n and not ok.any(axis=1).all():
+        bad = int(np.flatnonzero(~ok.any(axis=1))[0])
+        raise ValueError(f"item {bad} has no available choice (every entry is inf)")
+    if transient is None:
+        transient = np.zeros_like(mem_cost)
+        units = [-1] * n
+    transient = np.asarray(transient, dtype=np.float64)
+    units = list(range(n)) if units is None else [int(u) for u in units]
+
+    plain = [(i, time_cost[i, ok[i]], mem_cost[i, ok[i]], np.flatnonzero(ok[i]))
+             for i in range(n) if units[i] < 0]
+    by_unit: dict[int, list[int]] = {}
+    for i in range(n):
+        if units[i] >= 0:
+            by_unit.setdefault(units[i], []).append(i)
+    unit_cfgs = {u: _unit_configs(items, time_cost, mem_cost, transient) for u, items in by_unit.items()}
+    thresholds = sorted({cfg[2] for cfgs in unit_cfgs.values() for cfg in cfgs} | {0.0})
+    # The max term is at least the largest unit's smallest transient.
+    floor = max((min(c[2] for c in cfgs) for cfgs in unit_cfgs.values()), default=0.0)
+    thresholds = [t for t in thresholds if t >= floor]
+
+    best, min_needed = None, math.inf
+    for T in thresholds:
+        rows = list(plain)
+        for u, cfgs in unit_cfgs.items():
+            allowed = [c for c in cfgs if c[2] <= T]
+            # A unit is one pseudo-item whose choices are its configurations.
+            rows.append((-1 - u, np.array([c[0] for c in allowed]), np.array([c[1] for c in allowed]),
+                         np.arange(len(allowed))))
+        need = sum(r[2].min() for r in rows) + T
+        min_needed = min(min_needed, need)
+        if need > budget * (1 + 1e-12):
+            continue
+        found = _solve_additive(rows, budget - T + abs(budget) * 1e-12)
+        if found is None:
+            continue
+        t, m, picks = found
+        if best is None or t < best[0] - 1e-15 * abs(t):
+            choices = np.full(n, -1, dtype=np.int64)
+            for item, c in picks:
+                if item >= 0:
+                    choices[item] = c
+                else:
+                    u = -1 - item
+                    allowed = [cfg for cfg in unit_cfgs[u] if cfg[2] <= T]
+                    for i, ci in allowed[c][3]:
+                        choices[i] = ci
+            peak = float(mem_cost[np.arange(n), choices].sum()) + _max_transient(
+                choices, transient, units)
+            best = (t, peak, choices)
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"no choice fits the budget {budget:.6g}; the smallest budget that fits is "
+            f"{min_needed:.6g}", min_bytes=min_needed)
+    return Solution(choices=best[2], time=float(time_cost[np.arange(n), best[2]].sum()), mem=best[1])
+
+
+def _max_transient(choices, transient, units) -> float:
+    per_unit: dict[int, float] = {}
+    for i, c in enumerate(choices):
+        if units[i] >= 0:
+            per_unit[units[i]] = per_unit.get(units[i], 0.0) + float(transient[i, c])
+    return max(per_unit.values(), default=0.0)

@@ -1,0 +1,81 @@
+"""Strategies, and the storage ``PartitionSpec`` each gives a parameter on a mesh.
+
+- ``"replicate"``: every data-parallel device holds the whole parameter (spec ``P()``).
+- ``"zero3"``: the parameter is split along one dimension over all data-parallel axes; it is
+  gathered before use and its gradient reduce-scattered. The dimension is the largest one the
+  data-parallel size divides (the first of equal ones); a parameter with none cannot be zero3.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from ._describe import ParamInfo
+
+STRATEGIES = ("replicate", "zero3")
+
+
+def check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:
+    """Validate a user's strategy restriction; None means all."""
+    if strategies is None:
+        return STRATEGIES
+    if isinstance(strategies, str):
+        strategies = (strategies,)
+    strategies = tuple(strategies)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {list(STRATEGIES)}" if unknown
+                         else f"strategies is empty; choose from {list(STRATEGIES)}")
+    return strategies
+
+
+def data_axes(mesh, axis: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The mesh axes that are data-parallel: ``axis`` if given, else every axis of the mesh."""
+    names = tuple(mesh.axis_names)
+    if axis is None:
+        return names
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    missing = [a for a in axes if a not in names]
+    if missing or not axes:
+        raise ValueError(f"mesh has no axis {missing[0] if missing else axis!r}; its axes are {list(names)}. "
+                         f"Pass axis= one of them, or build the mesh with that axis name")
+    return axes
+
+
+def axes_size(mesh, axes: Sequence[str]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def shard_dim(info: ParamInfo, n: int) -> int | None:
+    """The dimension zero3 splits (largest divisible by n), or None if none is."""
+    dims = [d for d, size in enumerate(info.shape) if size % n == 0 and size >= n]
+    if n <= 1 or not dims:
+        return None
+    return max(dims, key=lambda d: (info.shape[d], -d))
+
+
+def axis_entry(axes: Sequence[str]):
+    """A PartitionSpec entry for one dimension split over ``axes``."""
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int) -> P | None:
+    """The storage spec of ``info`` under ``strategy``, or None when it cannot be applied."""
+    if strategy == "replicate":
+        return P()
+    if strategy == "zero3":
+        dim = shard_dim(info, n)
+        if dim is None:
+            return None
+        return P(*([None] * dim), axis_entry(axes))
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {list(STRATEGIES)}")
+
+
+def sharded_dim(spec: P) -> int | None:
+    """The one dimension a storage spec splits, or None for a replicated spec."""
+    for d, entry in enumerate(spec):
+        if entry is not None:
+            return d
+    return None

@@ -1,0 +1,144 @@
+"""The sharded training step: explicit data parallelism under ``jax.shard_map``.
+
+Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, by its plan:
+
+- replicated: the local gradient is averaged with one all-reduce (``pmean``);
+- zero3: the stored shard is all-gathered just before ``loss_fn`` runs, and the gradient of the
+  gathered weight is reduce-scattered (``psum_scatter``) back to a shard, through a
+  ``custom_vjp``. XLA on CPU emits real ``all-gather`` and ``reduce-scatter`` ops this way, where
+  plain ``jit`` would all-reduce the full gradient.
+
+The loss is the mean of the per-device losses, so ``loss_fn`` must return the *mean* loss over the
+batch it is given; the gradient is then exactly that of the global mean loss.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._describe import path_name
+from ._strategies import axes_size, axis_entry, sharded_dim
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather(shard, dim: int, axes: tuple[str, ...]):
+    """All-gather a ZeRO-3 shard along ``dim`` over mesh ``axes`` (inside shard_map).
+
+    Its gradient reduce-scatters the cotangent back to a shard: the sum over devices, so the
+    caller divides by the device count for a mean.
+    """
+    return jax.lax.all_gather(shard, axes, axis=dim, tiled=True)
+
+
+def _gather_fwd(shard, dim, axes):
+    return gather(shard, dim, axes), None
+
+
+def _gather_bwd(dim, axes, _, cotangent):
+    return (jax.lax.psum_scatter(cotangent, axes, scatter_dimension=dim, tiled=True),)
+
+
+gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def spec_tree(params, specs_by_path: dict[str, P]):
+    """A tree shaped like ``params`` (boxes and all) whose leaves are the planned specs."""
+    def spec(path, _):
+        name = path_name(path)
+        if name not in specs_by_path:
+            raise KeyError(f"parameter {name!r} is not in the plan; re-plan for these params")
+        return specs_by_path[name]
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def opt_state_specs(optimizer, abstract_state, param_specs):
+    """Specs for the optimizer state: param-shaped parts follow the params, the rest replicate."""
+    return optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_state, param_specs,
+                                 transform_non_params=lambda _: P(),
+                                 is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_specs(batch, axes):
+    entry = axis_entry(axes)
+    return jax.tree.map(lambda _: P(entry), batch)
+
+
+def check_batch(batch, n: int):
+    """Every batch leaf needs a leading dimension the data-parallel size divides."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(leaf, "shape", ())
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"batch leaf {path_name(path) or '<root>'!r} has shape {tuple(shape)}: its leading "
+                f"(global batch) dimension must be divisible by the {n} data-parallel devices; "
+                f"use a batch size that is a multiple of {n}")
+
+
+def local_step(loss_fn, optimizer, param_specs, axes, n: int):
+    """The per-device body: gather, loss and gradient, gradient collectives, optimizer update."""
+    def body(params, opt_state, batch):
+        def loss_of(p):
+            used = jax.tree.map(
+                lambda w, s: w if sharded_dim(s) is None else gather(w, sharded_dim(s), axes),
+                p, param_specs)
+            return loss_fn(used, batch)
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        grads = jax.tree.map(
+            lambda g, s: jax.lax.pmean(g, axes) if sharded_dim(s) is None else g / n,
+            grads, param_specs)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axes)
+
+    return body
+
+
+def build_step(loss_fn, optimizer, mesh, axes, specs_by_path):
+    """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+    def step(params, opt_state, batch):
+        n = axes_size(mesh, axes)
+        check_batch(batch, n)
+        p_specs = spec_tree(params, specs_by_path)
+        o_specs = opt_state_specs(optimizer, opt_state, p_specs)
+        mapped = jax.shard_map(
+            local_step(loss_fn, optimizer, p_specs, axes, n), mesh=mesh,
+            in_specs=(p_specs, o_specs, batch_specs(batch, axes)),
+            out_specs=(p_specs, o_specs, P()), check_vma=False)
+        return mapped(params, opt_state, batch)
+    return step
+
+
+def make_train_step(loss_fn, optimizer, plan, mesh):
+    """A ``jax.jit``-wrapped step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    ``params`` and ``opt_state`` are donated: use the returned ones. Place them first with
+    :func:`osdp_jax.shard` and :func:`osdp_jax.init_opt_state`.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the batch it gets.
+      optimizer: an ``optax.GradientTransformation``.
+      plan: the :class:`osdp_jax.Plan` the params were sharded with.
+      mesh: the mesh the plan was made for.
+    """
+    step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path)
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def abstract_args(optimizer, params, batch, mesh, axes, specs_by_path):
+    """``ShapeDtypeStruct`` (params, opt_state, batch) carrying the planned shardings, for lowering.
+
+    Nothing is allocated: the optimizer state comes from ``jax.eval_shape``.
+    """
+    p_specs = spec_tree(params, specs_by_path)
+    opt_state = jax.eval_shape(optimizer.init, params)
+
+    def sds(x, spec):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return (jax.tree.map(sds, params, p_specs),
+            jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs)),
+            jax.tree.map(sds, batch, batch_specs(batch, axes)))

@@ -1,0 +1,61 @@
+"""Ask XLA: compile a sharded step with abstract inputs and read its memory, FLOPs and collectives."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from ._train import abstract_args, build_step
+
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProfile:
+    """What XLA reports for one compiled step, per device.
+
+    ``peak_bytes = argument + output - alias + temp`` (bytes): on CPU ``peak_memory_in_bytes``
+    leaves temp out, so the step's peak is assembled from its parts.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    collectives: dict
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Occurrences of each collective op in compiled HLO text (async start ops counted once)."""
+    counts = {}
+    for op in _COLLECTIVES:
+        counts[op] = len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo_text))
+    return counts
+
+
+def profile_compiled(compiled) -> StepProfile:
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax returned one dict per program
+        cost = cost[0] if cost else {}
+    return StepProfile(int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+                       int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes),
+                       float((cost or {}).get("flops", 0.0)), count_collectives(compiled.as_text()))
+
+
+def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path):
+    """Lower and compile the train step for ``specs_by_path`` without allocating anything."""
+    args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
+    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path), donate_argnums=(0, 1))
+    return step.lower(*args).compile()
+
+
+def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path) -> StepProfile:
+    """XLA's per-device figures for the step under the given per-parameter specs."""
+    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path))
