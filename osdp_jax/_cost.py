@@ -9,16 +9,21 @@ Memory held for the whole step (the step's arguments; outputs alias them by dona
     replicate:  p_i + o_i
     zero3:      (p_i + o_i) / N
 
-Transient memory (XLA's temp) is not a sum of per-parameter terms in general: it depends on how
-long XLA keeps each gathered weight and gradient buffer alive. For the step of ``_train.py``,
-which gathers every zero3 weight before the loss runs, XLA keeps all gathered weights alive at
-once, so the temp grows with the zero3 bytes. The model is calibrated on two compiles of the real
-step per batch size, all-replicate (temp_R) and all-zero3 (temp_Z)::
+Transient memory (XLA's temp) is not a sum of per-parameter terms: it is set by which buffers XLA
+keeps alive together. For the step of ``_train.py`` (every zero3 weight gathered before the loss
+runs) the measured pattern is: replicated gradients (R bytes in all) live until the update, and at
+the peak either XLA's combined all-reduce buffer for them (rho R) or the gathered zero3 weights
+with their full-size gradients (zeta Z, Z the zero3 bytes) is alive, not both::
 
-    temp(plan) = temp_R + kappa * sum_{i zero3} p_i,   kappa = (temp_Z - temp_R) / sum_{i shardable} p_i
+    temp(plan) = c + R + max(rho * R, zeta * Z)          rho = 1
 
-Without a loss function to compile, temp is estimated as 2 p_i per parameter (its gradient plus a
-collective buffer, or a gathered weight plus its gradient) and activations are not counted.
+Per batch size, two compiles of the real step calibrate it: all-replicate gives the activation
+and scratch term ``c = temp_R - 2 P`` (P all parameter bytes), all-zero3 gives
+``zeta = (temp_Z - c - R_fixed) / Z_all`` (R_fixed: bytes no strategy but replicate can hold).
+Without a loss function to compile: c = 0 (activations not counted) and zeta = 2 (gathered
+weight plus its gradient), an estimate.
+
+The max makes the search a two-pool knapsack (``_search.solve_pools``), solved exactly.
 
 Time per step: compute + communication, not overlapped::
 
@@ -46,17 +51,24 @@ GATHERS_PER_STEP = 1  # all-gathers of one zero3 weight per step in _train.py
 
 @dataclasses.dataclass(frozen=True)
 class CostTables:
-    """Per-parameter costs for one batch size: ``time[i, s]`` s, ``mem[i, s]`` bytes per device.
+    """Per-parameter costs for one batch size, per device.
 
-    ``inf`` marks a strategy the parameter cannot take. The step's peak is
-    ``base_mem + sum_i mem[i, s_i]`` and its time ``base_time + sum_i time[i, s_i]``.
+    ``time[i, s]`` seconds; ``mem[i, s]`` bytes held through the step; ``pools[i, s, k]`` transient
+    bytes in pool k (0: replicated-gradient buffer, 1: gathered zero3 weights). ``inf`` marks a
+    strategy the parameter cannot take. Peak = ``base_mem + sum mem + max_k sum pools[..., k]``;
+    step time = ``base_time + sum time``.
     """
 
     strategies: tuple[str, ...]
     time: np.ndarray
     mem: np.ndarray
+    pools: np.ndarray
     base_mem: float
     base_time: float
+
+    def peak(self, choices) -> float:
+        idx = np.arange(len(choices))
+        return float(self.base_mem + self.mem[idx, choices].sum() + self.pools[idx, choices].sum(axis=0).max())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +109,14 @@ def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int) -> float:
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
+RHO = 1.0  # combined all-reduce buffer per replicated gradient byte
+ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
+
+
 def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple[str, ...],
                 opt_bytes: np.ndarray, other_opt_bytes: int, n: int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None) -> CostTables:
-    """Cost tables for one batch size.
+    """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
       infos: the parameters.
@@ -110,32 +126,32 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
       n: data-parallel devices.
       hw: hardware for the time model.
       batch_bytes: bytes of the *global* batch (each device holds 1/n).
-      calibration: XLA figures for this batch size, or None to use the uncalibrated estimate.
+      calibration: XLA figures for this batch size, or None for the uncalibrated estimate.
     """
     p = np.array([i.nbytes for i in infos], dtype=np.float64)
     o = opt_bytes.astype(np.float64)
-    shardable = np.array([i.nbytes for i, ok in zip(infos, available[:, strategies.index("zero3")])
-                          if ok] if "zero3" in strategies else [], dtype=np.float64).sum()
-    mem = np.full((len(infos), len(strategies)), np.inf)
-    time = np.full_like(mem, np.inf)
+    can_shard = available[:, strategies.index("zero3")] if "zero3" in strategies else np.zeros(len(p), bool)
+    z_all, r_fixed = p[can_shard].sum(), p[~can_shard].sum()
     if calibration is None:
-        kappa = 0.0
-        transient = 2 * p
+        c, zeta, base_time = 0.0, ZETA_ESTIMATE, 0.0
         base_mem = other_opt_bytes + batch_bytes / n
-        base_time = 0.0
     else:
         r, z = calibration.replicate, calibration.zero3
-        kappa = (z.temp_bytes - r.temp_bytes) / shardable if shardable else 0.0
-        transient = np.zeros_like(p)
-        # arguments other than params/opt state (the batch), plus temp and the unaliased outputs
-        base_mem = (r.argument_bytes - (p + o).sum()) + r.output_bytes - r.alias_bytes + r.temp_bytes
+        c = r.temp_bytes - (1 + RHO) * p.sum()
+        zeta = max(0.0, (z.temp_bytes - c - r_fixed) / z_all) if z_all else 0.0
+        # the batch and state tied to no parameter, and outputs that do not alias an input
+        base_mem = r.argument_bytes - (p + o).sum() + r.output_bytes - r.alias_bytes
         base_time = r.flops / hw.flops
+    mem = np.full((len(infos), len(strategies)), np.inf)
+    pools = np.zeros((len(infos), len(strategies), 2))
+    time = np.full_like(mem, np.inf)
     for s, name in enumerate(strategies):
         ok = available[:, s]
         if name == "replicate":
-            held = p + o
+            mem[ok, s] = (p + o + p)[ok]  # stored param and state, and its gradient
+            pools[ok, s, 0] = RHO * p[ok]
         else:
-            held = (p + o) / n + kappa * p
-        mem[ok, s] = (held + transient)[ok]
+            mem[ok, s] = ((p + o) / n)[ok]
+            pools[ok, s, 1] = zeta * p[ok]
         time[ok, s] = [comm_seconds(b, name, hw, n) for b in p[ok]]
-    return CostTables(strategies, time, mem, float(base_mem), float(base_time))
+    return CostTables(strategies, time, mem, pools, float(base_mem + c), float(base_time))

@@ -80,3 +80,14 @@ def unboxed_treedef(params):
     except ImportError:  # pragma: no cover - flax is a dependency, but planning needs only jax
         pass
     return jax.tree.structure(params)
+
+
+def strip_boxes(tree):
+    """``tree`` with Flax linen metadata boxes replaced by their raw values, without applying the
+    boxes' own sharding constraints (their logical axis names mean nothing to the planner's mesh)."""
+    try:
+        from flax.core import meta
+    except ImportError:  # pragma: no cover
+        return tree
+    is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box)

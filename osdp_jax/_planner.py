@@ -13,7 +13,7 @@ from ._cost import Calibration, cost_tables, optimizer_bytes
 from ._describe import describe, unboxed_treedef
 from ._hardware import resolve_hardware
 from ._plan import ParamPlan, Plan
-from ._search import InfeasibleBudgetError, solve
+from ._search import InfeasibleBudgetError, solve_pools
 from ._strategies import STRATEGIES, axes_size, check_strategies, data_axes, spec_for
 from ._units import format_bytes, parse_bytes
 from ._xla import profile_step
@@ -79,12 +79,17 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 
-    options = [[spec_for(i, s, axes, n) for s in strategies] for i in infos]
+    # A parameter that none of the allowed strategies can store (a 0-d scalar, or no dimension
+    # the device count divides, under zero3) is replicated, the one layout that always applies.
+    columns = strategies if "replicate" in strategies else (*strategies, "replicate")
+    options = [[spec_for(i, s, axes, n) if s in strategies else None for s in columns] for i in infos]
+    for info, row in zip(infos, options):
+        if all(o is None for o in row):
+            row[columns.index("replicate")] = spec_for(info, "replicate", axes, n)
+            log.info("parameter %s %s cannot be stored as %s: replicated", info.path, info.shape,
+                     "/".join(strategies))
     available = np.array([[o is not None for o in row] for row in options], dtype=bool)
-    unavailable = [i.path for i, row in zip(infos, available) if not row.any()]
-    if unavailable:
-        raise ValueError(f"parameter {unavailable[0]!r} can take none of the strategies {list(strategies)} "
-                         f"(no dimension divisible by {n} for zero3); allow 'replicate'")
+    strategies = columns
 
     sizes: list[int | None]
     if batch is not None:
@@ -121,7 +126,7 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
             tables = cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw, bb,
                                  calibrations[size])
             try:
-                sol = solve(tables.time, tables.mem, budget_limit - tables.base_mem)
+                sol = solve_pools(tables.time, tables.mem, tables.pools, budget_limit - tables.base_mem)
             except InfeasibleBudgetError as e:
                 min_needed = min(min_needed, e.min_bytes + tables.base_mem)
                 continue

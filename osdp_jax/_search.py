@@ -259,3 +259,92 @@ def _max_transient(choices, transient, units) -> float:
         if units[i] >= 0:
             per_unit[units[i]] = per_unit.get(units[i], 0.0) + float(transient[i, c])
     return max(per_unit.values(), default=0.0)
+
+
+def _dominance_prune(time: np.ndarray, res: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Indices of points within ``cap`` that no other point beats in time and every resource."""
+    ok = np.flatnonzero((res <= cap).all(axis=1))
+    order = ok[np.lexsort((*res[ok].T[::-1], time[ok]))]
+    kept: list[int] = []
+    kept_res = np.empty((0, res.shape[1]))
+    for idx in order:
+        r = res[idx]
+        if len(kept) and (kept_res <= r).all(axis=1).any():
+            continue
+        kept.append(idx)
+        kept_res = np.vstack([kept_res, r])
+    return np.array(kept, dtype=np.int64)
+
+
+def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
+    """Exact optimum when transient memory goes to one of K pools that never overlap in time.
+
+    ``pools[i, c, k]`` is the transient bytes that item i adds to pool k under choice c; the peak
+    is ``sum_i mem[i, c_i] + max_k sum_i pools[i, c_i, k]``, so the budget holds exactly when, for
+    every pool k, ``sum_i (mem + pools[..., k]) <= budget``: a K-resource knapsack, solved on the
+    Pareto set of (time, resource_1..K) with identical items grouped.
+    """
+    time_cost = np.asarray(time_cost, dtype=np.float64)
+    mem_cost = np.asarray(mem_cost, dtype=np.float64)
+    pools = np.asarray(pools, dtype=np.float64)
+    n, c = time_cost.shape
+    res = mem_cost[:, :, None] + pools  # (n, c, K)
+    ok = np.isfinite(time_cost) & np.isfinite(res).all(axis=2)
+    if n and not ok.any(axis=1).all():
+        raise ValueError(f"item {int(np.flatnonzero(~ok.any(axis=1))[0])} has no available choice")
+    k = res.shape[2]
+    cap = np.full(k, budget + abs(budget) * 1e-12)
+    floor = np.array([res[i, ok[i]].min(axis=0) for i in range(n)]).reshape(n, k)
+    need = floor.sum(axis=0)
+    if (need > cap).any():
+        min_bytes = float(_min_peak(res, ok))
+        raise InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget that "
+                                    f"fits is {min_bytes:.6g}", min_bytes=min_bytes)
+    groups: dict[bytes, list[int]] = {}
+    for i in range(n):
+        key = np.where(ok[i][:, None], res[i], np.inf).tobytes() + time_cost[i].tobytes()
+        groups.setdefault(key, []).append(i)
+    remaining = need.copy()
+    f_time, f_res, f_pick = np.zeros(1), np.zeros((1, k)), [[]]
+    for items in groups.values():
+        i0 = items[0]
+        cols = np.flatnonzero(ok[i0])
+        remaining -= floor[i0] * len(items)
+        counts = _compositions(len(items), len(cols))
+        g_time = counts @ time_cost[i0, cols]
+        g_res = counts @ res[i0, cols]
+        keep = _dominance_prune(g_time, g_res, cap - remaining - f_res.min(axis=0))
+        g_time, g_res, counts = g_time[keep], g_res[keep], counts[keep]
+        all_time = (f_time[:, None] + g_time[None, :]).ravel()
+        all_res = (f_res[:, None, :] + g_res[None, :, :]).reshape(-1, k)
+        keep = _dominance_prune(all_time, all_res, cap - remaining)
+        if not len(keep):
+            break
+        fi, gi = np.divmod(keep, len(g_time))
+        picks = []
+        for a, b in zip(fi, gi):
+            choice = np.repeat(cols, counts[b])
+            picks.append(f_pick[a] + list(zip(items, choice)))
+        f_time, f_res, f_pick = all_time[keep], all_res[keep], picks
+    else:
+        best = int(np.argmin(f_time))
+        choices = np.zeros(n, dtype=np.int64)
+        for i, ch in f_pick[best]:
+            choices[i] = ch
+        idx = np.arange(n)
+        peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
+        return Solution(choices, float(time_cost[idx, choices].sum()), peak)
+    min_bytes = float(_min_peak(res, ok))
+    raise InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget that fits "
+                                f"is {min_bytes:.6g}", min_bytes=min_bytes)
+
+
+def _min_peak(res: np.ndarray, ok: np.ndarray) -> float:
+    """The smallest ``max_k sum_i res[i, c_i, k]`` over all assignments (by the same search)."""
+    n, _, k = res.shape
+    pts = np.zeros((1, k))
+    for i in range(n):
+        cand = (pts[:, None, :] + res[i, ok[i]][None, :, :]).reshape(-1, k)
+        keep = _dominance_prune(np.zeros(len(cand)), cand, np.full(k, np.inf))
+        pts = cand[keep]
+    return float(pts.max(axis=1).min())

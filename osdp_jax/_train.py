@@ -8,6 +8,9 @@ Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, b
   ``custom_vjp``. XLA on CPU emits real ``all-gather`` and ``reduce-scatter`` ops this way, where
   plain ``jit`` would all-reduce the full gradient.
 
+Flax linen metadata boxes are stripped before ``loss_fn`` sees the parameters: their logical
+sharding constraints do not apply inside the step (``model.apply`` takes unboxed params).
+
 The loss is the mean of the per-device losses, so ``loss_fn`` must return the *mean* loss over the
 batch it is given; the gradient is then exactly that of the global mean loss.
 """
@@ -20,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._describe import path_name
+from ._describe import path_name, strip_boxes
 from ._strategies import axes_size, axis_entry, sharded_dim
 
 
@@ -85,7 +88,7 @@ def local_step(loss_fn, optimizer, param_specs, axes, n: int):
             used = jax.tree.map(
                 lambda w, s: w if sharded_dim(s) is None else gather(w, sharded_dim(s), axes),
                 p, param_specs)
-            return loss_fn(used, batch)
+            return loss_fn(strip_boxes(used), batch)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
         grads = jax.tree.map(
@@ -97,6 +100,13 @@ def local_step(loss_fn, optimizer, param_specs, axes, n: int):
     return body
 
 
+def _lay_out(x, sharding: NamedSharding):
+    """Constrain ``x`` to ``sharding``: ``reshard`` on Explicit meshes, a constraint on Auto ones."""
+    if jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def build_step(loss_fn, optimizer, mesh, axes, specs_by_path):
     """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
     def step(params, opt_state, batch):
@@ -104,11 +114,14 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path):
         check_batch(batch, n)
         p_specs = spec_tree(params, specs_by_path)
         o_specs = opt_state_specs(optimizer, opt_state, p_specs)
+        in_specs = (p_specs, o_specs, batch_specs(batch, axes))
+        # Explicit meshes need inputs already laid out as in_specs (a no-op when they are).
+        args = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch),
+                            in_specs)
         mapped = jax.shard_map(
             local_step(loss_fn, optimizer, p_specs, axes, n), mesh=mesh,
-            in_specs=(p_specs, o_specs, batch_specs(batch, axes)),
-            out_specs=(p_specs, o_specs, P()), check_vma=False)
-        return mapped(params, opt_state, batch)
+            in_specs=in_specs, out_specs=(p_specs, o_specs, P()), check_vma=False)
+        return mapped(*args)
     return step
 
 

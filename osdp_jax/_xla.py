@@ -35,7 +35,7 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     """Occurrences of each collective op in compiled HLO text (async start ops counted once)."""
     counts = {}
     for op in _COLLECTIVES:
-        counts[op] = len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo_text))
+        counts[op] = len(re.findall(rf"[\s)}}]{op}(?:-start)?\(", hlo_text))
     return counts
 
 

@@ -1,0 +1,161 @@
+"""osdp_jax.plan: budgets, predictions against XLA, edge cases, JSON."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import osdp_jax
+import toy
+
+
+def check_prediction(plan):
+    """Every plan made with a loss_fn: XLA's peak within budget, prediction within 10% of it."""
+    assert plan.xla_peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, (
+        plan.predicted_peak_bytes, plan.xla_peak_bytes)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return toy.plain_params(), toy.plain_loss, toy.tokens(32), optax.adam(1e-3)
+
+
+def test_generous_budget_replicates_everything(mesh, setup):
+    params, loss_fn, batch, opt = setup
+    plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt)
+    assert set(jax.tree.leaves(plan.strategies)) == {"replicate"}
+    assert all(s == P() for s in jax.tree.leaves(plan.specs, is_leaf=lambda x: isinstance(x, P)))
+    check_prediction(plan)
+
+
+def test_budget_between_peaks_mixes_and_fits(mesh, setup):
+    params, loss_fn, batch, opt = setup
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt)
+    ddp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("replicate",), **kw)
+    fsdp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",), **kw)
+    for plan in (ddp, fsdp):
+        check_prediction(plan)
+    assert fsdp.xla_peak_bytes < ddp.xla_peak_bytes
+    for frac in (0.25, 0.5, 0.75):
+        budget = int(fsdp.xla_peak_bytes + frac * (ddp.xla_peak_bytes - fsdp.xla_peak_bytes))
+        plan = osdp_jax.plan(params, mesh, budget=budget, **kw)
+        counts = plan.counts()
+        assert counts["zero3"] > 0 and counts["replicate"] > 0, counts
+        check_prediction(plan)
+
+
+def test_below_all_zero3_peak_is_infeasible_with_minimum(mesh, setup):
+    params, loss_fn, batch, opt = setup
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt)
+    fsdp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",), **kw)
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
+        osdp_jax.plan(params, mesh, budget=fsdp.xla_peak_bytes // 2, **kw)
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert str(err.min_bytes) in str(err)
+    assert abs(err.min_bytes - fsdp.xla_peak_bytes) <= 0.10 * fsdp.xla_peak_bytes
+    # the reported minimum is a budget that does plan
+    plan = osdp_jax.plan(params, mesh, budget=int(err.min_bytes * 1.05), **kw)
+    check_prediction(plan)
+
+
+def test_batch_size_sweep_maximises_samples_per_second(mesh, setup):
+    params, loss_fn, batch, opt = setup
+    plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                         batch_sizes=(8, 16, 64))
+    rates = {}
+    for b in (8, 16, 64):
+        rates[b] = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                                 batch_sizes=(b,)).predicted_samples_per_second
+    assert plan.batch_size == max(rates, key=rates.get)
+    assert plan.predicted_samples_per_second == pytest.approx(max(rates.values()))
+
+
+def test_indivisible_and_scalar_parameters(mesh):
+    params = {"odd": jnp.zeros((6, 10)), "tall": jnp.zeros((3, 16)), "scalar": jnp.zeros(()),
+              "tiny": jnp.zeros((2,))}
+    plan = osdp_jax.plan(params, mesh, budget="1GB", strategies=("zero3",))
+    assert plan.specs["tall"] == P(None, "data")  # the divisible dimension is picked
+    for name in ("odd", "scalar", "tiny"):
+        assert plan.specs[name] == P() and plan.strategies[name] == "replicate"
+    sharded = osdp_jax.shard(params, mesh, plan)
+    assert sharded["tall"].addressable_shards[0].data.shape == (3, 2)
+
+
+def test_named_data_axis_not_first_and_explicit_mesh(setup):
+    params, loss_fn, batch, opt = setup
+    mesh = jax.make_mesh((1, 8), ("model", "batch"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                         strategies=("zero3",), axis="batch")
+    assert plan.axes == ("batch",) and plan.num_devices == 8
+    assert plan.specs["emb"] == P("batch")
+    check_prediction(plan)
+    sharded = osdp_jax.shard(params, mesh, plan)
+    state = osdp_jax.init_opt_state(opt, sharded, plan, mesh)
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+    _, _, loss = step(sharded, state, batch)
+    assert float(loss) == pytest.approx(float(loss_fn(params, batch)), rel=1e-5)
+    with pytest.raises(ValueError, match="no axis 'data'.*'model', 'batch'"):
+        osdp_jax.plan(params, mesh, budget="1GB", axis="data")
+
+
+def test_batch_not_divisible_is_a_clear_error(mesh, setup):
+    params, loss_fn, _, opt = setup
+    with pytest.raises(ValueError, match="batch size 12 is not a positive multiple of the 8"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=toy.tokens(12))
+    plan = osdp_jax.plan(params, mesh, budget="1GB")
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+    sharded = osdp_jax.shard(params, mesh, plan)
+    with pytest.raises(ValueError, match="divisible by the 8 data-parallel devices"):
+        step(sharded, osdp_jax.init_opt_state(opt, sharded, plan, mesh), toy.tokens(12))
+
+
+def test_bad_inputs(mesh, setup):
+    params = setup[0]
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
+        osdp_jax.plan(params, mesh, budget="1GB", strategies=("zero4",))
+    with pytest.raises(ValueError, match="invalid byte size '8 potatoes'"):
+        osdp_jax.plan(params, mesh, budget="8 potatoes")
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        osdp_jax.plan(params, mesh, budget="1GB", hardware="tpu-v9")
+    with pytest.raises(ValueError, match="loss_fn needs an example batch"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss)
+
+
+def test_without_loss_fn_plans_states_only(mesh, setup):
+    params = setup[0]
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    plan = osdp_jax.plan(params, mesh, budget="64GB")
+    assert plan.xla_peak_bytes is None and plan.predicted_samples_per_second is None
+    # replicated Adam: param + 2 moments + (gradient + buffer) estimate = 5x
+    assert plan.predicted_peak_bytes == pytest.approx(5 * total, rel=0.01)
+    # abstract params plan identically and allocate nothing
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    again = osdp_jax.plan(abstract, mesh, budget="64GB")
+    assert again.params == plan.params
+    placed = osdp_jax.shard(abstract, mesh, again)
+    assert isinstance(placed["emb"], jax.ShapeDtypeStruct) and placed["emb"].sharding.spec == P()
+
+
+def test_shard_without_plan_uses_device_memory(mesh, setup):
+    params = setup[0]
+    sharded = osdp_jax.shard(params, mesh)
+    assert all(leaf.sharding.spec == P() for leaf in jax.tree.leaves(sharded))
+
+
+def test_json_round_trip_and_summary(mesh, setup):
+    params, loss_fn, batch, opt = setup
+    plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                         strategies=("zero3",))
+    again = osdp_jax.Plan.from_json(plan.to_json())
+    assert again.params == plan.params and again.batch_size == plan.batch_size
+    assert again.specs["block0"]["w1"] == plan.specs["block0"]["w1"] == P(None, "data")
+    sharded = osdp_jax.shard(params, mesh, again)
+    assert sharded["block1"]["w2"].sharding.spec == P("data")
+    text = plan.summary()
+    assert "zero3" in text and "budget 59.60 GiB" in text and "block0/w1 (+2)" in text
+    with pytest.raises(ValueError, match="shape"):
+        osdp_jax.shard({**params, "emb": jnp.zeros((3, 3))}, mesh, plan)

@@ -1,0 +1,102 @@
+"""The exact search equals brute force, reaches the original OSDP optimum, and explains infeasibility."""
+import itertools
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from osdp_jax.search import InfeasibleBudgetError, solve
+
+REFERENCE = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "osdp_profiled_tables.json"
+
+
+def brute_force(t, m, budget, transient=None, units=None):
+    n, c = t.shape
+    best = None
+    for choice in itertools.product(range(c), repeat=n):
+        choice = np.array(choice)
+        time = t[np.arange(n), choice].sum()
+        mem = m[np.arange(n), choice].sum()
+        if transient is not None:
+            per_unit = {}
+            for i in range(n):
+                if units[i] >= 0:
+                    per_unit[units[i]] = per_unit.get(units[i], 0.0) + transient[i, choice[i]]
+            mem += max(per_unit.values(), default=0.0)
+        if np.isfinite(time) and np.isfinite(mem) and mem <= budget and (best is None or time < best):
+            best = time
+    return best
+
+
+def random_instance(rng, trial):
+    n, c = int(rng.integers(1, 7)), int(rng.integers(1, 4))
+    t, m = rng.random((n, c)), rng.random((n, c)) * 10
+    if trial % 3 == 0:  # identical items, the grouped path
+        t[:], m[:] = t[0], m[0]
+    if trial % 4 == 0:  # unavailable choices, but every item keeps one
+        t[rng.random((n, c)) < 0.3] = np.inf
+        t[:, 0] = np.where(np.isinf(t[:, 0]), 1.0, t[:, 0])
+    transient = units = None
+    if trial % 2 == 1:
+        transient = rng.random((n, c)) * 5
+        units = rng.integers(-1, 3, n)
+    return t, m, transient, units, float(rng.random() * n * 8)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_solver_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    for trial in range(60):
+        t, m, transient, units, budget = random_instance(rng, trial)
+        expected = brute_force(t, m, budget, transient, units)
+        try:
+            sol = solve(t, m, budget, transient=transient, units=units)
+        except InfeasibleBudgetError as err:
+            assert expected is None, f"solver said infeasible, brute force found {expected}"
+            assert err.min_bytes > budget
+            # the reported minimum is exactly the smallest budget that fits
+            assert brute_force(t, m, err.min_bytes * (1 + 1e-9), transient, units) is not None
+            continue
+        assert expected is not None
+        assert sol.time == pytest.approx(expected, rel=1e-12)
+        assert sol.mem <= budget + 1e-9
+        n = len(t)
+        assert sol.time == pytest.approx(t[np.arange(n), sol.choices].sum())
+
+
+def test_max_transient_is_not_additive():
+    # Two units each with transient 4 when choosing column 0: max is 4, a sum would be 8.
+    t = np.array([[1.0, 2.0], [1.0, 2.0]])
+    m = np.zeros((2, 2))
+    transient = np.array([[4.0, 0.0], [4.0, 0.0]])
+    sol = solve(t, m, 5.0, transient=transient, units=[0, 1])
+    assert list(sol.choices) == [0, 0] and sol.mem == 4.0
+    # the same transient in one unit adds up and no longer fits
+    sol = solve(t, m, 5.0, transient=transient, units=[0, 0])
+    assert sol.time == 3.0 and sol.mem == 4.0
+
+
+def test_infeasible_reports_minimum():
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve([[1.0, 2.0], [1.0, 3.0]], [[5.0, 2.0], [6.0, 1.0]], budget=2.5)
+    assert info.value.min_bytes == 3.0
+    assert "3" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_rejects_item_without_choice():
+    with pytest.raises(ValueError, match="item 1 has no available choice"):
+        solve([[1.0], [np.inf]], [[1.0], [1.0]], 10)
+
+
+@pytest.mark.skipif(not REFERENCE.exists(), reason="shared/reference not present")
+@pytest.mark.parametrize("layers,limit_mb", [(48, 8192), (96, 16384)])
+def test_reaches_original_osdp_optimum(layers, limit_mb):
+    ref = json.loads(REFERENCE.read_text())
+    row = ref["hidden_sizes"].index(1536)
+    mem = np.floor(np.array(ref["mem_mb"][row][1]))  # the original truncates to whole MB
+    time = np.array(ref["time_s"][row][1])
+    sol = solve(np.tile(time, (layers, 1)), np.tile(mem, (layers, 1)), limit_mb - ref["extra_overhead_mb"])
+    key = f"{layers}x1536@{limit_mb}MB_row1"
+    assert sol.time == pytest.approx(ref["reference_optimum"][key], rel=1e-9)

@@ -1,0 +1,84 @@
+"""Small models in the four params flavours the planner accepts, for tests."""
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+VOCAB, WIDTH, HIDDEN, SEQ = 64, 64, 256, 8
+
+
+def plain_params(key=0, layers=3):
+    keys = jax.random.split(jax.random.key(key), 2 + 2 * layers)
+    params = {"emb": jax.random.normal(keys[0], (VOCAB, WIDTH)) * 0.1,
+              "head": jax.random.normal(keys[1], (WIDTH, VOCAB)) * 0.1}
+    for i in range(layers):
+        params[f"block{i}"] = {
+            "w1": jax.random.normal(keys[2 + 2 * i], (WIDTH, HIDDEN)) * 0.1,
+            "b1": jnp.zeros((HIDDEN,)),
+            "w2": jax.random.normal(keys[3 + 2 * i], (HIDDEN, WIDTH)) * 0.1,
+            "scale": jnp.ones((WIDTH,)),
+            "gate": jnp.array(0.5),  # a 0-d parameter
+        }
+    return params
+
+
+def plain_loss(params, tokens):
+    h = params["emb"][tokens]
+    for name in sorted(k for k in params if k.startswith("block")):
+        b = params[name]
+        h = h + b["gate"] * jax.nn.gelu((h * b["scale"]) @ b["w1"] + b["b1"]) @ b["w2"]
+    logp = jax.nn.log_softmax(h @ params["head"])
+    targets = jnp.roll(tokens, -1, axis=1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+class LinenMLP(nn.Module):
+    boxed: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        init = nn.initializers.normal(0.1)
+        wrap = (lambda f, names: nn.with_partitioning(f, names)) if self.boxed else (lambda f, names: f)
+        h = nn.Embed(VOCAB, WIDTH, embedding_init=wrap(init, ("vocab", "embed")))(tokens)
+        for _ in range(2):
+            h = h + nn.Dense(WIDTH, kernel_init=wrap(init, ("mlp", "embed")))(
+                jax.nn.gelu(nn.Dense(HIDDEN, kernel_init=wrap(init, ("embed", "mlp")))(h)))
+        return nn.Dense(VOCAB, kernel_init=wrap(init, ("embed", "vocab")))(h)
+
+
+def linen_setup(boxed):
+    model = LinenMLP(boxed=boxed)
+    params = model.init(jax.random.key(0), jnp.zeros((2, SEQ), jnp.int32))["params"]
+
+    def loss(p, tokens):
+        logp = jax.nn.log_softmax(model.apply({"params": p}, tokens))
+        targets = jnp.roll(tokens, -1, axis=1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return params, loss
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+        self.up = nnx.Linear(WIDTH, HIDDEN, rngs=rngs)
+        self.down = nnx.Linear(HIDDEN, WIDTH, rngs=rngs)
+        self.head = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.emb(tokens)
+        h = h + self.down(jax.nn.gelu(self.up(h)))
+        return self.head(h)
+
+
+def nnx_setup():
+    graphdef, state = nnx.split(NnxMLP(nnx.Rngs(0)), nnx.Param)
+
+    def loss(s, tokens):
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, s)(tokens))
+        targets = jnp.roll(tokens, -1, axis=1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return state, loss
+
+
+def tokens(batch=32, key=1):
+    return jax.random.randint(jax.random.key(key), (batch, SEQ), 0, VOCAB)
