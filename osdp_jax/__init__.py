@@ -15,7 +15,7 @@ from ._shard import init_opt_state, shard
 from ._strategies import STRATEGIES
 from ._train import make_train_step
 from ._units import format_bytes, parse_bytes
-from ._xla import StepProfile, profile_step
+from ._xla import StepProfile, profile_compiled, profile_step
 from . import search
 
 __version__ = "0.1.0"
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Hardware", "InfeasibleBudgetError", "PRESETS", "ParamInfo", "ParamPlan", "Plan", "STRATEGIES",
     "StepProfile", "describe", "format_bytes", "init_opt_state", "make_train_step", "parse_bytes",
-    "plan", "profile_step", "search", "shard",
+    "plan", "profile_compiled", "profile_step", "search", "shard",
 ]

@@ -109,6 +109,20 @@ def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int) -> float:
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
+def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
+    """A calibration for ``size`` from two probed batch sizes, each figure linear in the batch."""
+    (b0, c0), (b1, c1) = sorted(probed.items())
+    w = (size - b0) / (b1 - b0)
+
+    def mix(p0: StepProfile, p1: StepProfile) -> StepProfile:
+        lin = lambda a, b: int(round(a + w * (b - a)))  # noqa: E731
+        return StepProfile(lin(p0.argument_bytes, p1.argument_bytes), lin(p0.output_bytes, p1.output_bytes),
+                           lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
+                           p0.flops + w * (p1.flops - p0.flops), p0.collectives)
+
+    return Calibration(mix(c0.replicate, c1.replicate), mix(c0.zero3, c1.zero3))
+
+
 RHO = 1.0  # combined all-reduce buffer per replicated gradient byte
 ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 
-from ._cost import Calibration, cost_tables, optimizer_bytes
+from ._cost import Calibration, cost_tables, interpolate, optimizer_bytes
 from ._describe import describe, unboxed_treedef
 from ._hardware import resolve_hardware
 from ._plan import ParamPlan, Plan
@@ -115,9 +115,12 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         return Calibration(profile_step(loss_fn, optimizer, abstract, b, mesh, axes, repl_all),
                            profile_step(loss_fn, optimizer, abstract, b, mesh, axes, zero3_all))
 
-    t_compile = _time.perf_counter()
-    calibrations = {s: calibrate(s) for s in _progress(sizes, len(sizes), "osdp-jax: compiling probes")}
-    t_compile = _time.perf_counter() - t_compile
+    # Activations, temporaries and FLOPs grow linearly with the batch: compile the probes at the
+    # smallest and largest batch size and interpolate between them (the chosen plan is compiled
+    # and checked against the budget afterwards).
+    probe_sizes = sorted({sizes[0], sizes[-1]}) if sizes[0] is not None else [None]
+    probed = {s: calibrate(s) for s in _progress(probe_sizes, len(probe_sizes), "osdp-jax: compiling probes")}
+    calibrations = {s: probed[s] if s in probed else interpolate(probed, s) for s in sizes}
 
     def search(budget_limit):
         best, min_needed = None, math.inf

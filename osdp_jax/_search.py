@@ -19,6 +19,7 @@ their choices enumerated as counts, which keeps 96 identical layers to one step.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -262,17 +263,54 @@ def _max_transient(choices, transient, units) -> float:
 
 
 def _dominance_prune(time: np.ndarray, res: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Indices of points within ``cap`` that no other point beats in time and every resource."""
+    """Indices of points within ``cap`` that no other point beats in time and every resource.
+
+    Points are visited by time; a point is kept unless an earlier kept point needs no more of
+    every resource. For one or two resources the earlier points are summarised by a staircase
+    (O(F log F)); for more, compared directly.
+    """
     ok = np.flatnonzero((res <= cap).all(axis=1))
     order = ok[np.lexsort((*res[ok].T[::-1], time[ok]))]
-    kept: list[int] = []
-    kept_res = np.empty((0, res.shape[1]))
+    k = res.shape[1]
+    if k == 1:
+        r = res[order, 0]
+        best_before = np.minimum.accumulate(np.concatenate([[np.inf], r[:-1]]))
+        return order[r < best_before]
+    if k == 2:
+        kept = []
+        xs: list[float] = []  # staircase of kept points: r1 ascending, r2 strictly descending
+        ys: list[float] = []
+        rs = res[order]
+        start, step = 0, 32
+        while start < len(order):
+            chunk = rs[start:start + step]
+            # vectorised first pass against the staircase so far; survivors go one by one
+            if xs:
+                pos = np.searchsorted(np.asarray(xs), chunk[:, 0], side="right")
+                stair_y = np.concatenate([[np.inf], ys])[pos]
+                alive = np.flatnonzero(stair_y > chunk[:, 1])
+            else:
+                alive = np.arange(len(chunk))
+            for j, (x, y) in zip(alive.tolist(), chunk[alive].tolist()):
+                pos = bisect.bisect_right(xs, x)
+                if pos and ys[pos - 1] <= y:
+                    continue
+                kept.append(order[start + j])
+                end = pos
+                while end < len(xs) and ys[end] >= y:
+                    end += 1
+                xs[pos:end] = [x]
+                ys[pos:end] = [y]
+            start, step = start + step, min(2 * step, 4096)
+        return np.array(kept, dtype=np.int64)
+    kept = []
+    kept_res = np.empty((len(order), k))
     for idx in order:
         r = res[idx]
-        if len(kept) and (kept_res <= r).all(axis=1).any():
+        if kept and (kept_res[:len(kept)] <= r).all(axis=1).any():
             continue
+        kept_res[len(kept)] = r
         kept.append(idx)
-        kept_res = np.vstack([kept_res, r])
     return np.array(kept, dtype=np.int64)
 
 
@@ -305,7 +343,8 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
         key = np.where(ok[i][:, None], res[i], np.inf).tobytes() + time_cost[i].tobytes()
         groups.setdefault(key, []).append(i)
     remaining = need.copy()
-    f_time, f_res, f_pick = np.zeros(1), np.zeros((1, k)), [[]]
+    f_time, f_res = np.zeros(1), np.zeros((1, k))
+    stages = []  # per group: (items, cols, counts, index of the previous point, index into counts)
     for items in groups.values():
         i0 = items[0]
         cols = np.flatnonzero(ok[i0])
@@ -319,24 +358,20 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
         all_res = (f_res[:, None, :] + g_res[None, :, :]).reshape(-1, k)
         keep = _dominance_prune(all_time, all_res, cap - remaining)
         if not len(keep):
-            break
+            min_bytes = float(_min_peak(res, ok))
+            raise InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget "
+                                        f"that fits is {min_bytes:.6g}", min_bytes=min_bytes)
         fi, gi = np.divmod(keep, len(g_time))
-        picks = []
-        for a, b in zip(fi, gi):
-            choice = np.repeat(cols, counts[b])
-            picks.append(f_pick[a] + list(zip(items, choice)))
-        f_time, f_res, f_pick = all_time[keep], all_res[keep], picks
-    else:
-        best = int(np.argmin(f_time))
-        choices = np.zeros(n, dtype=np.int64)
-        for i, ch in f_pick[best]:
-            choices[i] = ch
-        idx = np.arange(n)
-        peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
-        return Solution(choices, float(time_cost[idx, choices].sum()), peak)
-    min_bytes = float(_min_peak(res, ok))
-    raise InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget that fits "
-                                f"is {min_bytes:.6g}", min_bytes=min_bytes)
+        stages.append((items, cols, counts, fi, gi))
+        f_time, f_res = all_time[keep], all_res[keep]
+    point = int(np.argmin(f_time))
+    choices = np.zeros(n, dtype=np.int64)
+    for items, cols, counts, fi, gi in reversed(stages):
+        choices[items] = np.repeat(cols, counts[gi[point]])
+        point = fi[point]
+    idx = np.arange(n)
+    peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
+    return Solution(choices, float(time_cost[idx, choices].sum()), peak)
 
 
 def _min_peak(res: np.ndarray, ok: np.ndarray) -> float:

@@ -6,6 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from osdp_jax._search import solve_pools
 from osdp_jax.search import InfeasibleBudgetError, solve
 
 REFERENCE = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "osdp_profiled_tables.json"
@@ -100,3 +101,42 @@ def test_reaches_original_osdp_optimum(layers, limit_mb):
     sol = solve(np.tile(time, (layers, 1)), np.tile(mem, (layers, 1)), limit_mb - ref["extra_overhead_mb"])
     key = f"{layers}x1536@{limit_mb}MB_row1"
     assert sol.time == pytest.approx(ref["reference_optimum"][key], rel=1e-9)
+
+
+def brute_force_pools(t, m, pools, budget):
+    n, c = t.shape
+    best, min_peak = None, np.inf
+    for choice in itertools.product(range(c), repeat=n):
+        idx, choice = np.arange(n), np.array(choice)
+        time = t[idx, choice].sum()
+        peak = m[idx, choice].sum() + pools[idx, choice].sum(axis=0).max()
+        if not (np.isfinite(time) and np.isfinite(peak)):
+            continue
+        min_peak = min(min_peak, peak)
+        if peak <= budget and (best is None or time < best):
+            best = time
+    return best, min_peak
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pool_solver_equals_brute_force(seed):
+    """The planner's search: peak = sum mem + max over pools, exact against enumeration."""
+    rng = np.random.default_rng(100 + seed)
+    for trial in range(80):
+        n, c, k = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 4), rng.integers(1, 4)))
+        t, m, pools = rng.random((n, c)), rng.random((n, c)), rng.random((n, c, k))
+        if trial % 3 == 0:
+            t[:], m[:], pools[:] = t[0], m[0], pools[0]
+        if trial % 4 == 0:
+            t[rng.random((n, c)) < 0.3] = np.inf
+            t[:, 0] = np.where(np.isinf(t[:, 0]), 1.0, t[:, 0])
+        budget = float(rng.random() * n * 1.5)
+        expected, min_peak = brute_force_pools(t, m, pools, budget)
+        try:
+            sol = solve_pools(t, m, pools, budget)
+        except InfeasibleBudgetError as err:
+            assert expected is None
+            assert err.min_bytes == pytest.approx(min_peak, rel=1e-12)
+            continue
+        assert expected is not None and sol.time == pytest.approx(expected, rel=1e-12)
+        assert sol.mem <= budget + 1e-9

@@ -1,0 +1,221 @@
+"""Experiment configs: typed, frozen dataclasses read from TOML (``tomllib``), with overrides.
+
+A config file has the sections below; every key is optional except ``model.preset``. An unknown
+section or key, or a value of the wrong type, raises one ``ConfigError`` naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import pathlib
+import tomllib
+import typing
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the section and key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    preset: str = ""  # a name from models.PRESETS, e.g. "gpt2-mini"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    task: str = "random"  # "addition", "chars" or "random"
+    digits: int = 2  # addition: digits per operand
+    path: str = ""  # chars: a local text file
+    seq_len: int = 32  # chars/random: tokens per example
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    shape: tuple[int, ...] = (8,)  # devices along each mesh axis
+    axes: tuple[str, ...] = ("data",)  # axis names; all are data-parallel
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    budget: str = "1GiB"  # per-device memory budget, e.g. "64MiB", "8GB"
+    batch_sizes: tuple[int, ...] = (32,)  # global batch sizes to sweep
+    strategies: tuple[str, ...] = ("replicate", "zero3")
+    hardware: str = ""  # a preset name (osdp_jax.PRESETS); empty: the mesh's default
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"  # "adam", "adamw" or "sgd"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # linear warm-up, then constant
+    grad_clip: float = 0.0  # global-norm clip; 0 disables
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    seed: int = 0
+    log_every: int = 10  # progress-bar refresh, steps
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    plan: PlanConfig = PlanConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+
+    def __post_init__(self):
+        _check(self)
+
+
+def _fail(where: str, message: str):
+    raise ConfigError(f"config error: {where}: {message}")
+
+
+def _check(cfg: ExperimentConfig):
+    import models
+    if not cfg.model.preset:
+        _fail("model.preset", f"missing; choose one of {sorted(models.PRESETS)}")
+    if cfg.model.preset not in models.PRESETS:
+        close = difflib.get_close_matches(cfg.model.preset, models.PRESETS, n=1)
+        _fail("model.preset", f"unknown preset {cfg.model.preset!r}"
+              + (f"; did you mean {close[0]!r}?" if close else f"; choose one of {sorted(models.PRESETS)}"))
+    if cfg.data.task not in ("addition", "chars", "random"):
+        _fail("data.task", f"must be 'addition', 'chars' or 'random', got {cfg.data.task!r}")
+    if cfg.data.task == "chars" and not cfg.data.path:
+        _fail("data.path", "task 'chars' needs a local text file path")
+    for key in ("digits", "seq_len"):
+        if getattr(cfg.data, key) <= 0:
+            _fail(f"data.{key}", "must be positive")
+    if len(cfg.mesh.shape) != len(cfg.mesh.axes) or not cfg.mesh.shape:
+        _fail("mesh.shape", f"{list(cfg.mesh.shape)} and mesh.axes {list(cfg.mesh.axes)} must have the "
+                            f"same, non-zero length")
+    if any(s <= 0 for s in cfg.mesh.shape):
+        _fail("mesh.shape", f"sizes must be positive, got {list(cfg.mesh.shape)}")
+    if len(set(cfg.mesh.axes)) != len(cfg.mesh.axes):
+        _fail("mesh.axes", f"names must be distinct, got {list(cfg.mesh.axes)}")
+    n = math.prod(cfg.mesh.shape)
+    if not cfg.plan.batch_sizes:
+        _fail("plan.batch_sizes", "give at least one batch size")
+    bad = [b for b in cfg.plan.batch_sizes if b <= 0 or b % n]
+    if bad:
+        _fail("plan.batch_sizes", f"{bad[0]} is not a positive multiple of the mesh's {n} devices")
+    from osdp_jax import PRESETS, STRATEGIES, parse_bytes
+    try:
+        parse_bytes(cfg.plan.budget)
+    except ValueError as e:
+        _fail("plan.budget", str(e))
+    unknown = [s for s in cfg.plan.strategies if s not in STRATEGIES]
+    if unknown or not cfg.plan.strategies:
+        _fail("plan.strategies", f"unknown strategy {unknown[0]!r}; choose from {list(STRATEGIES)}"
+              if unknown else "give at least one strategy")
+    if cfg.plan.hardware and cfg.plan.hardware not in PRESETS:
+        _fail("plan.hardware", f"unknown preset {cfg.plan.hardware!r}; known: {sorted(PRESETS)}")
+    if cfg.optim.name not in ("adam", "adamw", "sgd"):
+        _fail("optim.name", f"must be 'adam', 'adamw' or 'sgd', got {cfg.optim.name!r}")
+    if cfg.optim.learning_rate <= 0:
+        _fail("optim.learning_rate", "must be positive")
+    if cfg.train.steps < 0:
+        _fail("train.steps", "must be >= 0")
+
+
+def _coerce(where: str, value, typ):
+    """``value`` as ``typ`` (int, float, str, bool or tuple[X, ...]), or a ConfigError."""
+    origin = typing.get_origin(typ)
+    if origin is tuple:
+        (item,) = {a for a in typing.get_args(typ) if a is not Ellipsis}
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return tuple(_coerce(where, v, item) for v in value)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool or isinstance(value, bool):
+        if typ is bool and isinstance(value, bool):
+            return value
+        _fail(where, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    if typ is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, typ):
+        _fail(where, f"expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _section_types():
+    hints = typing.get_type_hints(ExperimentConfig)
+    return {name: hints[name] for name in hints}
+
+
+def from_dict(d: dict) -> ExperimentConfig:
+    """Build and validate a config from nested dicts (as TOML gives)."""
+    sections = _section_types()
+    built = {}
+    for name, value in d.items():
+        if name not in sections:
+            close = difflib.get_close_matches(name, sections, n=1)
+            _fail(f"[{name}]", "unknown section" + (f"; did you mean [{close[0]}]?" if close
+                                                     else f"; known: {sorted(sections)}"))
+        if not isinstance(value, dict):
+            _fail(f"[{name}]", "must be a table of keys")
+        cls = sections[name]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, v in value.items():
+            if key not in hints:
+                close = difflib.get_close_matches(key, hints, n=1)
+                _fail(f"{name}.{key}", "unknown key" + (f"; did you mean {name}.{close[0]}?" if close
+                                                        else f"; known: {sorted(hints)}"))
+            kwargs[key] = _coerce(f"{name}.{key}", v, hints[key])
+        built[name] = cls(**kwargs)
+    return ExperimentConfig(**built)
+
+
+def to_dict(cfg: ExperimentConfig) -> dict:
+    return {f.name: {k: list(v) if isinstance(v, tuple) else v
+                     for k, v in dataclasses.asdict(getattr(cfg, f.name)).items()}
+            for f in dataclasses.fields(cfg)}
+
+
+def load(path, overrides: dict[str, str] | None = None) -> ExperimentConfig:
+    """Read a TOML config and apply ``{"section.key": "text value"}`` overrides."""
+    path = pathlib.Path(path)
+    try:
+        d = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config error: {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config error: {path}: invalid TOML: {e}") from None
+    for dotted, text in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        sections = _section_types()
+        if section not in sections or not key:
+            _fail(f"--{dotted}", f"overrides look like --section.key=value with a section from {sorted(sections)}")
+        hints = typing.get_type_hints(sections[section])
+        if key not in hints:
+            close = difflib.get_close_matches(key, hints, n=1)
+            _fail(f"--{dotted}", "unknown key" + (f"; did you mean --{section}.{close[0]}?" if close else ""))
+        d.setdefault(section, {})[key] = _parse_text(f"--{dotted}", text, hints[key])
+    return from_dict(d)
+
+
+def _parse_text(where: str, text: str, typ):
+    """A command-line value as ``typ``: numbers and bools parsed, tuples comma-separated."""
+    if typing.get_origin(typ) is tuple:
+        (item,) = {a for a in typing.get_args(typ) if a is not Ellipsis}
+        return [_parse_text(where, t.strip(), item) for t in text.split(",") if t.strip()]
+    try:
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+        if typ is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return text.lower() in ("true", "1")
+    except ValueError:
+        _fail(where, f"expected {typ.__name__}, got {text!r}")
+    return text
