@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+import osdp_jax
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -89,13 +91,24 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """``n_layer`` Blocks with stacked parameters, run by ``nn.scan`` with rematerialisation."""
+    """``n_layer`` Blocks with stacked parameters, run by ``nn.scan`` with rematerialisation.
+
+    Each iteration passes its layer's parameter slices through ``osdp_jax.gather_params``: under
+    an osdp-jax plan, ZeRO-3 weights are gathered one layer at a time inside the loop (and again
+    in the backward pass), so only one layer's gathered weights are alive; elsewhere it is a no-op.
+    """
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(self, x):
-        scanned = nn.scan(nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True},
+        prefix = "/".join((*self.path, "layers"))
+
+        def gather(variables):
+            return {**variables, "params": osdp_jax.gather_params(variables["params"], prefix)}
+
+        body = nn.map_variables(Block, "params", trans_in_fn=gather, init=self.is_initializing())
+        scanned = nn.scan(nn.remat(body), variable_axes={"params": 0}, split_rngs={"params": True},
                           length=self.config.n_layer)
         x, _ = scanned(self.config, name="layers")(x, None)
         return x

@@ -7,6 +7,7 @@ size, for the highest training throughput whose whole step fits a per-device mem
 >>> params = osdp_jax.shard(params, mesh, plan)                                      # doctest: +SKIP
 """
 from ._describe import ParamInfo, describe
+from ._gather import gather_params
 from ._hardware import PRESETS, Hardware
 from ._plan import ParamPlan, Plan
 from ._planner import plan
@@ -22,6 +23,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Hardware", "InfeasibleBudgetError", "PRESETS", "ParamInfo", "ParamPlan", "Plan", "STRATEGIES",
-    "StepProfile", "describe", "format_bytes", "init_opt_state", "make_train_step", "parse_bytes",
+    "StepProfile", "describe", "format_bytes", "gather_params", "init_opt_state", "make_train_step", "parse_bytes",
     "plan", "profile_compiled", "profile_step", "search", "shard",
 ]

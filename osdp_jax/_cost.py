@@ -17,6 +17,9 @@ with their full-size gradients (zeta Z, Z the zero3 bytes) is alive, not both::
 
     temp(plan) = c + R + max(rho * R, zeta * Z)          rho = 1
 
+A stacked parameter the model gathers per layer inside its loop (``osdp_jax.gather_params``)
+counts p_i / L_i in Z: one layer's slice is alive at a time.
+
 Per batch size, two compiles of the real step calibrate it: all-replicate gives the activation
 and scratch term ``c = temp_R - 2 P`` (P all parameter bytes), all-zero3 gives
 ``zeta = (temp_Z - c - R_fixed) / Z_all`` (R_fixed: bytes no strategy but replicate can hold).
@@ -30,6 +33,8 @@ Time per step: compute + communication, not overlapped::
     compute    = FLOPs per device (XLA cost_analysis) / Hardware.flops
     replicate: all-reduce(p_i)                                  = a + 2(N-1)/N p_i / W
     zero3:     all-gather(p_i) + reduce-scatter(p_i)            = 2a + 2(N-1)/N p_i / W
+    zero3, gathered per layer (L_i layers, re-gathered in the backward pass):
+               L_i (2 all-gather + reduce-scatter)(p_i / L_i)   = 3 L_i a + 3(N-1)/N p_i / W
 
 (one all-gather: this step keeps the gathered weight for the backward pass instead of gathering
 it again).
@@ -100,10 +105,18 @@ def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
     return per_leaf, total - int(per_leaf.sum())
 
 
-def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int) -> float:
-    """Seconds of collectives per step for one parameter of ``nbytes`` (formulas in the module doc)."""
+def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int, layers: int = 0) -> float:
+    """Seconds of collectives per step for one parameter of ``nbytes`` (formulas in the module doc).
+
+    ``layers`` > 0: a stacked parameter gathered per layer inside the model's loop, so each of
+    its collectives runs ``layers`` times on 1/layers of the bytes, and the backward pass gathers
+    again (rematerialisation): 2 all-gathers and 1 reduce-scatter per layer.
+    """
     if strategy == "replicate":
         return hw.all_reduce(nbytes, n)
+    if strategy == "zero3" and layers:
+        per = nbytes / layers
+        return layers * (2 * hw.all_gather(per, n) + hw.reduce_scatter(per, n))
     if strategy == "zero3":
         return GATHERS_PER_STEP * hw.all_gather(nbytes, n) + hw.reduce_scatter(nbytes, n)
     raise ValueError(f"unknown strategy {strategy!r}")
@@ -129,7 +142,8 @@ ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
 
 def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple[str, ...],
                 opt_bytes: np.ndarray, other_opt_bytes: int, n: int, hw: Hardware,
-                batch_bytes: int, calibration: Calibration | None) -> CostTables:
+                batch_bytes: int, calibration: Calibration | None,
+                in_loop: frozenset = frozenset()) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -141,11 +155,15 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
       hw: hardware for the time model.
       batch_bytes: bytes of the *global* batch (each device holds 1/n).
       calibration: XLA figures for this batch size, or None for the uncalibrated estimate.
+      in_loop: paths of stacked parameters the model gathers per layer; their gathered bytes
+        count 1/layers (one layer's slice is alive at a time).
     """
     p = np.array([i.nbytes for i in infos], dtype=np.float64)
+    layers = np.array([i.shape[0] if i.path in in_loop else 0 for i in infos])
+    gathered = p / np.maximum(layers, 1)  # bytes alive when the parameter is gathered
     o = opt_bytes.astype(np.float64)
     can_shard = available[:, strategies.index("zero3")] if "zero3" in strategies else np.zeros(len(p), bool)
-    z_all, r_fixed = p[can_shard].sum(), p[~can_shard].sum()
+    z_all, r_fixed = gathered[can_shard].sum(), p[~can_shard].sum()
     if calibration is None:
         c, zeta, base_time = 0.0, ZETA_ESTIMATE, 0.0
         base_mem = other_opt_bytes + batch_bytes / n
@@ -166,6 +184,6 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
             pools[ok, s, 0] = RHO * p[ok]
         else:
             mem[ok, s] = ((p + o) / n)[ok]
-            pools[ok, s, 1] = zeta * p[ok]
-        time[ok, s] = [comm_seconds(b, name, hw, n) for b in p[ok]]
+            pools[ok, s, 1] = zeta * gathered[ok]
+        time[ok, s] = [comm_seconds(b, name, hw, n, int(k)) for b, k in zip(p[ok], layers[ok])]
     return CostTables(strategies, time, mem, pools, float(base_mem + c), float(base_time))

@@ -17,6 +17,11 @@ def _spec_to_json(spec: P) -> list:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
 
+def _spec_str(spec: P) -> str:
+    """``P(None, 'data')`` -> ``"None, data"``; a replicated spec -> ``""``."""
+    return ", ".join(str(e) for e in spec)
+
+
 def _spec_from_json(entries: list) -> P:
     return P(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
@@ -31,6 +36,7 @@ class ParamPlan:
     strategy: str
     spec: P
     nbytes: int  # whole parameter, bytes
+    in_loop: bool = False  # gathered per layer inside the model's loop (osdp_jax.gather_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,11 @@ class Plan:
     def specs_by_path(self) -> dict[str, P]:
         return {pp.path: pp.spec for pp in self.params}
 
+    @property
+    def in_loop(self) -> frozenset[str]:
+        """Paths of the parameters the model gathers inside its layer loop."""
+        return frozenset(pp.path for pp in self.params if pp.in_loop)
+
     def counts(self) -> dict[str, int]:
         """Number of parameters per strategy."""
         return dict(Counter(pp.strategy for pp in self.params))
@@ -90,12 +101,13 @@ class Plan:
         """A table: one row per group of parameters with the same shape, dtype and strategy."""
         groups: dict[tuple, list[ParamPlan]] = {}
         for pp in self.params:
-            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec), []).append(pp)
-        rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "bytes each")]
-        for (shape, dtype, strategy, spec), pps in groups.items():
+            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec, pp.in_loop), []).append(pp)
+        rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "bytes each")]
+        for (shape, dtype, strategy, spec, _), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
-            rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, str(spec)[14:-1] or "",
-                         format_bytes(pps[0].nbytes)))
+            where = "-" if strategy == "replicate" else ("per layer" if pps[0].in_loop else "per step")
+            rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
+                         where, format_bytes(pps[0].nbytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "-" * len(lines[0]))
@@ -123,7 +135,8 @@ class Plan:
         d["axes"] = list(self.axes)
         d["format"] = PLAN_FORMAT
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
-                        "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes}
+                        "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
+                        "in_loop": pp.in_loop}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -133,7 +146,8 @@ class Plan:
         if d.pop("format", None) != PLAN_FORMAT:
             raise ValueError(f"not an osdp-jax plan (format {PLAN_FORMAT}) JSON")
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
-                                 _spec_from_json(p["spec"]), p["nbytes"]) for p in d.pop("params"))
+                                 _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False))
+                       for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(params=params, **{k: v for k, v in d.items() if k in known})

@@ -11,6 +11,7 @@ import optax
 
 from ._cost import Calibration, cost_tables, interpolate, optimizer_bytes
 from ._describe import describe, unboxed_treedef
+from ._gather import discover
 from ._hardware import resolve_hardware
 from ._plan import ParamPlan, Plan
 from ._search import InfeasibleBudgetError, solve_pools
@@ -79,18 +80,6 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 
-    # A parameter that none of the allowed strategies can store (a 0-d scalar, or no dimension
-    # the device count divides, under zero3) is replicated, the one layout that always applies.
-    columns = strategies if "replicate" in strategies else (*strategies, "replicate")
-    options = [[spec_for(i, s, axes, n) if s in strategies else None for s in columns] for i in infos]
-    for info, row in zip(infos, options):
-        if all(o is None for o in row):
-            row[columns.index("replicate")] = spec_for(info, "replicate", axes, n)
-            log.info("parameter %s %s cannot be stored as %s: replicated", info.path, info.shape,
-                     "/".join(strategies))
-    available = np.array([[o is not None for o in row] for row in options], dtype=bool)
-    strategies = columns
-
     sizes: list[int | None]
     if batch is not None:
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
@@ -105,15 +94,35 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
             raise ValueError("loss_fn needs an example batch: pass batch=...")
         sizes = [None]
 
-    zero3_all = {i.path: (spec_for(i, "zero3", axes, n) or spec_for(i, "replicate", axes, n)) for i in infos}
+    # Parameters the model gathers itself inside its layer loop (osdp_jax.gather_params).
+    in_loop = frozenset()
+    if loss_fn is not None:
+        shapes = {i.path: i.shape for i in infos}
+        in_loop = frozenset(p for p in discover(loss_fn, abstract, batch) if len(shapes.get(p, ())) >= 2)
+
+    # A parameter that none of the allowed strategies can store (a 0-d scalar, or no dimension
+    # the device count divides, under zero3) is replicated, the one layout that always applies.
+    columns = strategies if "replicate" in strategies else (*strategies, "replicate")
+    options = [[spec_for(i, s, axes, n, i.path in in_loop) if s in strategies else None for s in columns]
+               for i in infos]
+    for info, row in zip(infos, options):
+        if all(o is None for o in row):
+            row[columns.index("replicate")] = spec_for(info, "replicate", axes, n)
+            log.info("parameter %s %s cannot be stored as %s: replicated", info.path, info.shape,
+                     "/".join(strategies))
+    available = np.array([[o is not None for o in row] for row in options], dtype=bool)
+    strategies = columns
+
+    zero3_all = {i.path: (spec_for(i, "zero3", axes, n, i.path in in_loop) or spec_for(i, "replicate", axes, n))
+                 for i in infos}
     repl_all = {i.path: spec_for(i, "replicate", axes, n) for i in infos}
 
     def calibrate(size):
         if loss_fn is None:
             return None
         b = _with_batch_size(batch, size)
-        return Calibration(profile_step(loss_fn, optimizer, abstract, b, mesh, axes, repl_all),
-                           profile_step(loss_fn, optimizer, abstract, b, mesh, axes, zero3_all))
+        return Calibration(profile_step(loss_fn, optimizer, abstract, b, mesh, axes, repl_all, in_loop),
+                           profile_step(loss_fn, optimizer, abstract, b, mesh, axes, zero3_all, in_loop))
 
     # Activations, temporaries and FLOPs grow linearly with the batch: compile the probes at the
     # smallest and largest batch size and interpolate between them (the chosen plan is compiled
@@ -127,7 +136,7 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         for size in sizes:
             bb = _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0
             tables = cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw, bb,
-                                 calibrations[size])
+                                 calibrations[size], in_loop)
             try:
                 sol = solve_pools(tables.time, tables.mem, tables.pools, budget_limit - tables.base_mem)
             except InfeasibleBudgetError as e:
@@ -152,7 +161,8 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
 
     def build(best_, xla_peak=None):
         _, size, sol, tables, step_s, sps = best_
-        pps = tuple(ParamPlan(i.path, i.shape, str(i.dtype), strategies[c], options[k][c], i.nbytes)
+        pps = tuple(ParamPlan(i.path, i.shape, str(i.dtype), strategies[c], options[k][c], i.nbytes,
+                              i.path in in_loop)
                     for k, (i, c) in enumerate(zip(infos, sol.choices)))
         return Plan(pps, axes, n, size, budget_bytes, tables.base_mem + sol.mem,
                     step_s if size is not None else None, sps, xla_peak, hw.name, t_search,
@@ -166,7 +176,7 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     limit = budget_bytes
     for attempt in range(MAX_VERIFY_TRIES):
         measured = profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, result.batch_size),
-                                mesh, axes, result.specs_by_path).peak_bytes
+                                mesh, axes, result.specs_by_path, in_loop).peak_bytes
         result = build(best, measured)
         if measured <= budget_bytes:
             return result

@@ -3,7 +3,8 @@
 - ``"replicate"``: every data-parallel device holds the whole parameter (spec ``P()``).
 - ``"zero3"``: the parameter is split along one dimension over all data-parallel axes; it is
   gathered before use and its gradient reduce-scattered. The dimension is the largest one the
-  data-parallel size divides (the first of equal ones); a parameter with none cannot be zero3.
+  data-parallel size divides (the first of equal ones; never the layer axis of a parameter the
+  model gathers inside its layer loop); a parameter with none cannot be zero3.
 """
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def axes_size(mesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def shard_dim(info: ParamInfo, n: int) -> int | None:
-    """The dimension zero3 splits (largest divisible by n), or None if none is."""
-    dims = [d for d, size in enumerate(info.shape) if size % n == 0 and size >= n]
+def shard_dim(info: ParamInfo, n: int, first: int = 0) -> int | None:
+    """The dimension zero3 splits (largest divisible by n, from dimension ``first`` on), or None."""
+    dims = [d for d, size in enumerate(info.shape) if d >= first and size % n == 0 and size >= n]
     if n <= 1 or not dims:
         return None
     return max(dims, key=lambda d: (info.shape[d], -d))
@@ -61,12 +62,16 @@ def axis_entry(axes: Sequence[str]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int) -> P | None:
-    """The storage spec of ``info`` under ``strategy``, or None when it cannot be applied."""
+def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int, in_loop: bool = False) -> P | None:
+    """The storage spec of ``info`` under ``strategy``, or None when it cannot be applied.
+
+    A parameter gathered inside a layer loop (``in_loop``) keeps its leading layer axis whole, so
+    every layer's slice is spread over all devices.
+    """
     if strategy == "replicate":
         return P()
     if strategy == "zero3":
-        dim = shard_dim(info, n)
+        dim = shard_dim(info, n, first=1 if in_loop else 0)
         if dim is None:
             return None
         return P(*([None] * dim), axis_entry(axes))

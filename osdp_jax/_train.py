@@ -3,7 +3,9 @@
 Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, by its plan:
 
 - replicated: the local gradient is averaged with one all-reduce (``pmean``);
-- zero3: the stored shard is all-gathered just before ``loss_fn`` runs, and the gradient of the
+- zero3: the stored shard is all-gathered just before ``loss_fn`` runs (or, for parameters the
+  model passes through ``osdp_jax.gather_params``, one layer at a time inside its loop), and the
+  gradient of the
   gathered weight is reduce-scattered (``psum_scatter``) back to a shard, through a
   ``custom_vjp``. XLA on CPU emits real ``all-gather`` and ``reduce-scatter`` ops this way, where
   plain ``jit`` would all-reduce the full gradient.
@@ -24,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._describe import path_name, strip_boxes
+from ._gather import gathering
 from ._strategies import axes_size, axis_entry, sharded_dim
 
 
@@ -81,14 +84,23 @@ def check_batch(batch, n: int):
                 f"use a batch size that is a multiple of {n}")
 
 
-def local_step(loss_fn, optimizer, param_specs, axes, n: int):
-    """The per-device body: gather, loss and gradient, gradient collectives, optimizer update."""
+def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict):
+    """The per-device body: gather, loss and gradient, gradient collectives, optimizer update.
+
+    ``loop_specs`` (path -> (dim, axes)) are the zero3 parameters the model gathers itself, one
+    layer at a time (``osdp_jax.gather_params``); every other zero3 parameter is gathered here.
+    """
     def body(params, opt_state, batch):
+
+        def gather_here(path, w, s):
+            if sharded_dim(s) is None or path_name(path) in loop_specs:
+                return w
+            return gather(w, sharded_dim(s), axes)
+
         def loss_of(p):
-            used = jax.tree.map(
-                lambda w, s: w if sharded_dim(s) is None else gather(w, sharded_dim(s), axes),
-                p, param_specs)
-            return loss_fn(strip_boxes(used), batch)
+            used = jax.tree_util.tree_map_with_path(gather_here, p, param_specs)
+            with gathering(loop_specs):
+                return loss_fn(strip_boxes(used), batch)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
         grads = jax.tree.map(
@@ -107,8 +119,11 @@ def _lay_out(x, sharding: NamedSharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def build_step(loss_fn, optimizer, mesh, axes, specs_by_path):
+def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset()):
     """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+    loop_specs = {path: (sharded_dim(specs_by_path[path]), tuple(axes)) for path in in_loop
+                  if sharded_dim(specs_by_path[path]) is not None}
+
     def step(params, opt_state, batch):
         n = axes_size(mesh, axes)
         check_batch(batch, n)
@@ -119,7 +134,7 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path):
         args = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch),
                             in_specs)
         mapped = jax.shard_map(
-            local_step(loss_fn, optimizer, p_specs, axes, n), mesh=mesh,
+            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs), mesh=mesh,
             in_specs=in_specs, out_specs=(p_specs, o_specs, P()), check_vma=False)
         return mapped(*args)
     return step
@@ -137,7 +152,7 @@ def make_train_step(loss_fn, optimizer, plan, mesh):
       plan: the :class:`osdp_jax.Plan` the params were sharded with.
       mesh: the mesh the plan was made for.
     """
-    step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path)
+    step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path, plan.in_loop)
     return jax.jit(step, donate_argnums=(0, 1))
 
 

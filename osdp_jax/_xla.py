@@ -49,13 +49,13 @@ def profile_compiled(compiled) -> StepProfile:
                        float((cost or {}).get("flops", 0.0)), count_collectives(compiled.as_text()))
 
 
-def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path):
+def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset()):
     """Lower and compile the train step for ``specs_by_path`` without allocating anything."""
     args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
-    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path), donate_argnums=(0, 1))
+    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop), donate_argnums=(0, 1))
     return step.lower(*args).compile()
 
 
-def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path) -> StepProfile:
+def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset()) -> StepProfile:
     """XLA's per-device figures for the step under the given per-parameter specs."""
-    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path))
+    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop))
