@@ -10,21 +10,28 @@ Memory held for the whole step (the step's arguments; outputs alias them by dona
     zero3:      (p_i + o_i) / N
 
 Transient memory (XLA's temp) is not a sum of per-parameter terms: it is set by which buffers XLA
-keeps alive together. For the step of ``_train.py`` (every zero3 weight gathered before the loss
-runs) the measured pattern is: replicated gradients (R bytes in all) live until the update, and at
-the peak either XLA's combined all-reduce buffer for them (rho R) or the gathered zero3 weights
-with their full-size gradients (zeta Z, Z the zero3 bytes) is alive, not both::
+keeps alive together, and that differs by where a zero3 weight is gathered.
 
-    temp(plan) = c + R + max(rho * R, zeta * Z)          rho = 1
+*Gathered per step* (``_train.py`` gathers it before the loss runs): XLA keeps every such gathered
+weight alive for the whole step. Replicated gradients (R bytes) live until the update, and at the
+peak either XLA's combined all-reduce buffer for them (rho R) or the gathered weights with their
+full-size gradients (zeta Z, Z the bytes gathered per step) is alive, not both.
 
-A stacked parameter the model gathers per layer inside its loop (``osdp_jax.gather_params``)
-counts p_i / L_i in Z: one layer's slice is alive at a time.
+*Gathered per layer* (a stacked parameter the model passes through ``osdp_jax.gather_params``
+inside its scanned, rematerialised layer loop): one layer's slice is alive at a time, so making
+such a parameter zero3 takes its gradient and all-reduce buffer out of temp at a small cost;
+measured, temp falls linearly, by kappa bytes per parameter byte.
 
-Per batch size, two compiles of the real step calibrate it: all-replicate gives the activation
-and scratch term ``c = temp_R - 2 P`` (P all parameter bytes), all-zero3 gives
-``zeta = (temp_Z - c - R_fixed) / Z_all`` (R_fixed: bytes no strategy but replicate can hold).
-Without a loss function to compile: c = 0 (activations not counted) and zeta = 2 (gathered
-weight plus its gradient), an estimate.
+Over the top-level (per-step) parameters T and the per-layer ones L::
+
+    temp(plan) = temp_R - 2 P_T + R_T + max(rho R_T, zeta Z_T) - kappa Z_L        rho = 1
+
+temp_R is the all-replicate temp (P_T: all per-step parameter bytes; R_T, Z_T: per-step bytes
+replicated / zero3; Z_L: per-layer bytes zero3). Compiles of the real step calibrate it:
+all-replicate at each probed batch size gives temp_R, "per-layer zero3, rest replicated" gives
+kappa, all-zero3 gives zeta. Without a loss function to compile: temp_R = 2 P, kappa unused
+(no parameter is known to be gathered per layer), zeta = 2 (gathered weight plus its gradient),
+an estimate that leaves activations out.
 
 The max makes the search a two-pool knapsack (``_search.solve_pools``), solved exactly.
 
@@ -36,8 +43,7 @@ Time per step: compute + communication, not overlapped::
     zero3, gathered per layer (L_i layers, re-gathered in the backward pass):
                L_i (2 all-gather + reduce-scatter)(p_i / L_i)   = 3 L_i a + 3(N-1)/N p_i / W
 
-(one all-gather: this step keeps the gathered weight for the backward pass instead of gathering
-it again).
+(one all-gather for a per-step parameter: the gathered weight is kept for the backward pass).
 """
 from __future__ import annotations
 
@@ -78,10 +84,25 @@ class CostTables:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """XLA's figures for one batch size, from the all-replicate and all-zero3 compiles."""
+    """XLA's figures for one batch size: the all-replicate step, and the fitted coefficients."""
 
     replicate: StepProfile
-    zero3: StepProfile
+    kappa: float = 0.0  # temp bytes saved per byte of per-layer parameter made zero3
+    zeta: float = 0.0  # temp bytes per byte of per-step parameter made zero3 (the Z pool)
+
+
+def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
+        p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray) -> Calibration:
+    """kappa and zeta from the three probes (module docstring); ``loop`` marks per-layer params."""
+    z_loop = p[can_shard & loop].sum()
+    top_sh, top_fixed = p[can_shard & ~loop].sum(), p[~can_shard & ~loop].sum()
+    kappa = (replicate.temp_bytes - per_layer.temp_bytes) / z_loop if per_layer and z_loop else 0.0
+    zeta = 0.0
+    if top_sh:
+        # temp_Z = temp_R - 2 P_T + R_fixed + max(R_fixed, zeta Z_T) - kappa Z_L
+        rest = zero3.temp_bytes - replicate.temp_bytes + 2 * (top_sh + top_fixed) - top_fixed + kappa * z_loop
+        zeta = max(0.0, rest / top_sh)
+    return Calibration(replicate, kappa, zeta)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -123,17 +144,16 @@ def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int, layers: int
 
 
 def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
-    """A calibration for ``size`` from two probed batch sizes, each figure linear in the batch."""
+    """A calibration for ``size`` from two probed batch sizes: the all-replicate figures linear in
+    the batch, the coefficients from the larger probe."""
     (b0, c0), (b1, c1) = sorted(probed.items())
     w = (size - b0) / (b1 - b0)
-
-    def mix(p0: StepProfile, p1: StepProfile) -> StepProfile:
-        lin = lambda a, b: int(round(a + w * (b - a)))  # noqa: E731
-        return StepProfile(lin(p0.argument_bytes, p1.argument_bytes), lin(p0.output_bytes, p1.output_bytes),
-                           lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
-                           p0.flops + w * (p1.flops - p0.flops), p0.collectives)
-
-    return Calibration(mix(c0.replicate, c1.replicate), mix(c0.zero3, c1.zero3))
+    p0, p1 = c0.replicate, c1.replicate
+    lin = lambda a, b: int(round(a + w * (b - a)))  # noqa: E731
+    mixed = StepProfile(lin(p0.argument_bytes, p1.argument_bytes), lin(p0.output_bytes, p1.output_bytes),
+                        lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
+                        p0.flops + w * (p1.flops - p0.flops), p0.collectives)
+    return Calibration(mixed, c1.kappa, c1.zeta)
 
 
 RHO = 1.0  # combined all-reduce buffer per replicated gradient byte
@@ -160,30 +180,35 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
     """
     p = np.array([i.nbytes for i in infos], dtype=np.float64)
     layers = np.array([i.shape[0] if i.path in in_loop else 0 for i in infos])
-    gathered = p / np.maximum(layers, 1)  # bytes alive when the parameter is gathered
+    loop = layers > 0
     o = opt_bytes.astype(np.float64)
-    can_shard = available[:, strategies.index("zero3")] if "zero3" in strategies else np.zeros(len(p), bool)
-    z_all, r_fixed = gathered[can_shard].sum(), p[~can_shard].sum()
     if calibration is None:
-        c, zeta, base_time = 0.0, ZETA_ESTIMATE, 0.0
-        base_mem = other_opt_bytes + batch_bytes / n
+        cal = Calibration(StepProfile(int(batch_bytes / n + other_opt_bytes + (p + o).sum()), 0, 0,
+                                      int(2 * p.sum()), 0.0, {}), 0.0, ZETA_ESTIMATE)
     else:
-        r, z = calibration.replicate, calibration.zero3
-        c = r.temp_bytes - (1 + RHO) * p.sum()
-        zeta = max(0.0, (z.temp_bytes - c - r_fixed) / z_all) if z_all else 0.0
-        # the batch and state tied to no parameter, and outputs that do not alias an input
-        base_mem = r.argument_bytes - (p + o).sum() + r.output_bytes - r.alias_bytes
-        base_time = r.flops / hw.flops
+        cal = calibration
+    r = cal.replicate
+    # arguments other than parameters and their state (the batch...), unaliased outputs, and the
+    # all-replicate temp less the per-step parameters' share that the plan changes
+    base_mem = (r.argument_bytes - (p + o).sum() + r.output_bytes - r.alias_bytes
+                + r.temp_bytes - (1 + RHO) * p[~loop].sum())
     mem = np.full((len(infos), len(strategies)), np.inf)
     pools = np.zeros((len(infos), len(strategies), 2))
     time = np.full_like(mem, np.inf)
     for s, name in enumerate(strategies):
         ok = available[:, s]
+        top, per_layer = ok & ~loop, ok & loop
         if name == "replicate":
-            mem[ok, s] = (p + o + p)[ok]  # stored param and state, and its gradient
-            pools[ok, s, 0] = RHO * p[ok]
+            mem[ok, s] = (p + o)[ok]
+            mem[top, s] += p[top]  # R_T: the replicated gradient, held to the update
+            pools[top, s, 0] = RHO * p[top]
         else:
             mem[ok, s] = ((p + o) / n)[ok]
-            pools[ok, s, 1] = zeta * gathered[ok]
+            mem[per_layer, s] -= cal.kappa * p[per_layer]
+            pools[top, s, 1] = cal.zeta * p[top]
         time[ok, s] = [comm_seconds(b, name, hw, n, int(k)) for b, k in zip(p[ok], layers[ok])]
-    return CostTables(strategies, time, mem, pools, float(base_mem + c), float(base_time))
+    # the search wants non-negative costs: move each row's smallest entry into the base
+    shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
+    mem -= shift[:, None]
+    return CostTables(strategies, time, mem, pools, float(base_mem + shift.sum()),
+                      r.flops / hw.flops if calibration is not None else 0.0)

@@ -76,7 +76,9 @@ def discover(loss_fn, params, batch) -> set[str]:
     ctx = _Context({}, recorded=set())
     token = _ACTIVE.set(ctx)
     try:
-        jax.eval_shape(loss_fn, strip_boxes(params), batch)
+        # a fresh function each time: eval_shape caches traces by function, and a cached trace
+        # would not call gather_params again
+        jax.eval_shape(lambda p, b: loss_fn(p, b), strip_boxes(params), batch)
     finally:
         _ACTIVE.reset(token)
     return ctx.recorded

@@ -1,6 +1,7 @@
 """``plan()``: describe -> cost -> search over batch sizes -> compile-verify -> ``Plan``."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time as _time
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 import optax
 
-from ._cost import Calibration, cost_tables, interpolate, optimizer_bytes
+from ._cost import cost_tables, fit, interpolate, optimizer_bytes
 from ._describe import describe, unboxed_treedef
 from ._gather import discover
 from ._hardware import resolve_hardware
@@ -113,23 +114,34 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     available = np.array([[o is not None for o in row] for row in options], dtype=bool)
     strategies = columns
 
-    zero3_all = {i.path: (spec_for(i, "zero3", axes, n, i.path in in_loop) or spec_for(i, "replicate", axes, n))
-                 for i in infos}
-    repl_all = {i.path: spec_for(i, "replicate", axes, n) for i in infos}
+    def specs(zero3_where):
+        return {i.path: (spec_for(i, "zero3", axes, n, i.path in in_loop) if zero3_where(i) else None)
+                or spec_for(i, "replicate", axes, n) for i in infos}
 
-    def calibrate(size):
-        if loss_fn is None:
-            return None
-        b = _with_batch_size(batch, size)
-        return Calibration(profile_step(loss_fn, optimizer, abstract, b, mesh, axes, repl_all, in_loop),
-                           profile_step(loss_fn, optimizer, abstract, b, mesh, axes, zero3_all, in_loop))
+    def probe(size, zero3_where):
+        return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, size), mesh, axes,
+                            specs(zero3_where), in_loop)
 
-    # Activations, temporaries and FLOPs grow linearly with the batch: compile the probes at the
-    # smallest and largest batch size and interpolate between them (the chosen plan is compiled
-    # and checked against the budget afterwards).
-    probe_sizes = sorted({sizes[0], sizes[-1]}) if sizes[0] is not None else [None]
-    probed = {s: calibrate(s) for s in _progress(probe_sizes, len(probe_sizes), "osdp-jax: compiling probes")}
-    calibrations = {s: probed[s] if s in probed else interpolate(probed, s) for s in sizes}
+    # Activations, temporaries and FLOPs grow linearly with the batch: compile the all-replicate
+    # probe at the smallest and largest batch size and interpolate between them; fit the zero3
+    # coefficients at the largest (the chosen plan is compiled and checked afterwards).
+    calibrations: dict = {s: None for s in sizes}
+    if loss_fn is not None:
+        lo, hi = sizes[0], sizes[-1]
+        p = np.array([i.nbytes for i in infos], dtype=np.float64)
+        loop = np.array([i.path in in_loop for i in infos])
+        can_shard = np.array([spec_for(i, "zero3", axes, n, i.path in in_loop) is not None for i in infos])
+        jobs = [("R", lo), ("R", hi), ("Z", hi)] if lo != hi else [("R", hi), ("Z", hi)]
+        if (can_shard & loop).any() and (can_shard & ~loop).any():
+            jobs.append(("L", hi))
+        where = {"R": lambda i: False, "Z": lambda i: True, "L": lambda i: i.path in in_loop}
+        got = {job: probe(job[1], where[job[0]])
+               for job in _progress(jobs, len(jobs), "osdp-jax: compiling probes")}
+        per_layer = got.get(("L", hi), got[("Z", hi)] if not (can_shard & ~loop).any() else None)
+        probed = {b: fit(got[("R", b)], per_layer if b == hi else None, got[("Z", hi)], p, can_shard, loop)
+                  for b in {lo, hi}}
+        probed[lo] = dataclasses.replace(probed[lo], kappa=probed[hi].kappa, zeta=probed[hi].zeta)
+        calibrations = {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
 
     def search(budget_limit):
         best, min_needed = None, math.inf
@@ -148,6 +160,20 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
             if best is None or key > best[0]:
                 best = (key, size, sol, tables, step_s, sps)
         return best, min_needed
+
+    def least_memory():
+        """The plan with the smallest predicted peak, at the smallest batch size."""
+        size = sizes[0]
+        bb = _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0
+        tables = cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw, bb,
+                             calibrations[size], in_loop)
+        try:
+            solve_pools(tables.time, tables.mem, tables.pools, -1.0)
+        except InfeasibleBudgetError as e:
+            floor = e.min_bytes
+        sol = solve_pools(tables.time, tables.mem, tables.pools, floor * (1 + 1e-9) + 1)
+        step_s = tables.base_time + sol.time
+        return (None, size, sol, tables, step_s, size / step_s if size and step_s > 0 else None)
 
     t_search = _time.perf_counter()
     best, min_needed = search(budget_bytes)
@@ -171,26 +197,33 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     result = build(best)
     if loss_fn is None or not verify:
         return result
-    # Compile the chosen plan; if XLA needs more than the model said, lower the budget by the
-    # excess and search again (bounded).
-    limit = budget_bytes
+    # Compile the chosen plan. If XLA needs more than the model said, search again with the
+    # budget lowered by the model's largest error so far (bounded); last, try the plan that needs
+    # the least memory, and if even that does not fit, its XLA peak is the minimum to report.
+    def xla_peak(plan_):
+        return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, plan_.batch_size),
+                            mesh, axes, plan_.specs_by_path, in_loop).peak_bytes
+
+    error = 0.0
     for attempt in range(MAX_VERIFY_TRIES):
-        measured = profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, result.batch_size),
-                                mesh, axes, result.specs_by_path, in_loop).peak_bytes
-        result = build(best, measured)
+        measured = xla_peak(result)
         if measured <= budget_bytes:
-            return result
+            return build(best, measured)
+        error = max(error, measured - result.predicted_peak_bytes)
         log.info("plan attempt %d: XLA peak %s over budget %s; re-planning", attempt + 1,
                  format_bytes(measured), format_bytes(budget_bytes))
-        limit -= measured - budget_bytes
-        best, _ = search(limit)
+        best, _ = search(budget_bytes - error)
         if best is None:
             break
         result = build(best)
+    best = least_memory()
+    measured = xla_peak(build(best))
+    if measured <= budget_bytes:
+        return build(best, measured)
     raise InfeasibleBudgetError(
-        f"the cost model's plans do not fit {format_bytes(budget_bytes)} once compiled (XLA peak "
-        f"{format_bytes(measured)}); raise the budget to at least {measured} bytes",
-        min_bytes=int(measured))
+        f"no plan fits a per-device budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) once "
+        f"compiled: the plan that needs the least memory peaks at {format_bytes(measured)} by XLA; "
+        f"the smallest budget that fits is {measured} bytes", min_bytes=int(measured))
 
 
 __all__ = ["plan", "STRATEGIES"]
