@@ -1,0 +1,62 @@
+"""The osdp-jax command line: a short real training run per mini model, plan-only, and errors."""
+import json
+
+import pytest
+
+from experiments import cli
+
+MINI = ["experiments/gpt2_mini.toml", "experiments/opt_mini.toml", "experiments/bert_mini.toml"]
+
+
+@pytest.mark.parametrize("config", MINI)
+def test_train_two_steps(tmp_path, config, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["train", config, "--steps", "2", "--out", str(out), "--plan.batch_sizes=32"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("initial_loss", "final_loss", "samples_per_second", "xla_peak_bytes", "budget_bytes",
+                "batch_size", "strategies"):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 2 and summary["batch_size"] == 32
+    assert summary["xla_peak_bytes"] <= summary["budget_bytes"]
+    assert summary["samples_per_second"] > 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    assert json.loads((out / "plan.json").read_text())["batch_size"] == 32
+    if "gpt2" in config:
+        assert 0.0 <= summary["accuracy"] <= 1.0
+    assert "per-device peak" in capsys.readouterr().out
+
+
+def test_plan_only_paper_scale(tmp_path, capsys):
+    out = tmp_path / "plan"
+    code = cli.main(["plan", "experiments/gpt2_mini.toml", "--model.preset=gpt2-48l-1536", "--data.task=random",
+                     "--data.seq_len=128", "--plan.batch_sizes=8", "--budget", "8GB", "--out", str(out)])
+    assert code == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["xla_peak_bytes"] <= 8 * 10**9
+    assert "gpt2" not in capsys.readouterr().err
+
+
+def test_bad_config_is_one_clear_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npreset = "gpt2-mini"\n[optim]\nlearning_rat = 0.1\n')
+    assert cli.main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "osdp-jax: config error: optim.learning_rat: unknown key; did you mean optim.learning_rate?"
+
+
+def test_infeasible_budget_is_one_clear_line(capsys):
+    assert cli.main(["plan", "experiments/gpt2_mini.toml", "--budget", "10KiB", "--plan.batch_sizes=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("osdp-jax: error: no plan fits a per-device budget of 10.00 KiB")
+    assert "smallest budget that fits is" in err
+
+
+@pytest.mark.slow
+def test_compare_mini(tmp_path):
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--out", str(out), "--measure-steps", "3",
+                     "--plan.batch_sizes=32"]) == 0
+    rows = json.loads((out / "comparison.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["DDP", "FSDP", "OSDP"]
+    assert (out / "comparison.png").stat().st_size > 0

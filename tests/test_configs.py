@@ -1,0 +1,56 @@
+"""Every experiment config loads; bad configs give one error naming the key."""
+import pathlib
+
+import pytest
+
+from experiments import config
+from experiments.config import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "experiments").rglob("*.toml"))
+
+
+def test_there_are_configs():
+    names = {p.name for p in CONFIGS}
+    assert {"gpt2_mini.toml", "opt_mini.toml", "bert_mini.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_config_loads(path):
+    cfg = config.load(path)
+    assert cfg.model.preset
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+@pytest.mark.parametrize("text,match", [
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nbudgt = "1GB"\n', r"plan\.budgt: unknown key; did you mean plan\.budget"),
+    ('[model]\npreset = "gpt2-mini"\n[plann]\nbudget = "1GB"\n', r"\[plann\]: unknown section; did you mean \[plan\]"),
+    ('[model]\npreset = "gpt2-mini"\n[train]\nsteps = "ten"\n', r"train\.steps: expected int, got str"),
+    ('[model]\npreset = "gpt2-mni"\n', r"model\.preset: unknown preset 'gpt2-mni'; did you mean 'gpt2-mini'"),
+    ('[model]\npreset = "gpt2-mini"\n[mesh]\nshape = [2, 4]\naxes = ["data"]\n', r"mesh\.shape: \[2, 4\] and mesh\.axes"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nbatch_sizes = [12]\n', r"plan\.batch_sizes: 12 is not a positive multiple of the mesh's 8"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nbudget = "lots"\n', r"plan\.budget: invalid byte size"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nstrategies = ["zero4"]\n', r"plan\.strategies: unknown strategy 'zero4'"),
+    ('[model]\npreset = "gpt2-mini"\n[data]\ntask = "chars"\n', r"data\.path: task 'chars' needs"),
+    ('[model]\npreset = "gpt2-mini"\n[model]\n', r"invalid TOML"),
+])
+def test_bad_configs(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        config.load(write(tmp_path, text))
+    assert "\n" not in str(info.value)
+
+
+def test_overrides_are_typed(tmp_path):
+    path = write(tmp_path, '[model]\npreset = "gpt2-mini"\n')
+    cfg = config.load(path, {"plan.batch_sizes": "16,32", "optim.learning_rate": "3e-4", "train.steps": "7"})
+    assert cfg.plan.batch_sizes == (16, 32) and cfg.optim.learning_rate == 3e-4 and cfg.train.steps == 7
+    with pytest.raises(ConfigError, match=r"--train\.stepz: unknown key; did you mean --train\.steps"):
+        config.load(path, {"train.stepz": "7"})
+    with pytest.raises(ConfigError, match=r"--train\.steps: expected int, got 'x'"):
+        config.load(path, {"train.steps": "x"})
