@@ -144,8 +144,7 @@ def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int, layers: int
 
 
 def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
-    """A calibration for ``size`` from two probed batch sizes: the all-replicate figures linear in
-    the batch, the coefficients from the larger probe."""
+    """A calibration for ``size`` from two probed batch sizes, every figure linear in the batch."""
     (b0, c0), (b1, c1) = sorted(probed.items())
     w = (size - b0) / (b1 - b0)
     p0, p1 = c0.replicate, c1.replicate
@@ -153,7 +152,7 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
     mixed = StepProfile(lin(p0.argument_bytes, p1.argument_bytes), lin(p0.output_bytes, p1.output_bytes),
                         lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
                         p0.flops + w * (p1.flops - p0.flops), p0.collectives)
-    return Calibration(mixed, c1.kappa, c1.zeta)
+    return Calibration(mixed, c0.kappa + w * (c1.kappa - c0.kappa), c0.zeta + w * (c1.zeta - c0.zeta))
 
 
 RHO = 1.0  # combined all-reduce buffer per replicated gradient byte

@@ -122,25 +122,24 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, size), mesh, axes,
                             specs(zero3_where), in_loop)
 
-    # Activations, temporaries and FLOPs grow linearly with the batch: compile the all-replicate
-    # probe at the smallest and largest batch size and interpolate between them; fit the zero3
-    # coefficients at the largest (the chosen plan is compiled and checked afterwards).
+    # Activations, temporaries and FLOPs grow linearly with the batch: compile the probes at the
+    # smallest and largest batch size and interpolate between them (the chosen plan is compiled
+    # and checked against the budget afterwards).
     calibrations: dict = {s: None for s in sizes}
     if loss_fn is not None:
-        lo, hi = sizes[0], sizes[-1]
         p = np.array([i.nbytes for i in infos], dtype=np.float64)
         loop = np.array([i.path in in_loop for i in infos])
         can_shard = np.array([spec_for(i, "zero3", axes, n, i.path in in_loop) is not None for i in infos])
-        jobs = [("R", lo), ("R", hi), ("Z", hi)] if lo != hi else [("R", hi), ("Z", hi)]
-        if (can_shard & loop).any() and (can_shard & ~loop).any():
-            jobs.append(("L", hi))
+        kinds = ["R", "Z"] + (["L"] if (can_shard & loop).any() and (can_shard & ~loop).any() else [])
         where = {"R": lambda i: False, "Z": lambda i: True, "L": lambda i: i.path in in_loop}
+        jobs = [(k, b) for b in sorted({sizes[0], sizes[-1]}) for k in kinds]
         got = {job: probe(job[1], where[job[0]])
                for job in _progress(jobs, len(jobs), "osdp-jax: compiling probes")}
-        per_layer = got.get(("L", hi), got[("Z", hi)] if not (can_shard & ~loop).any() else None)
-        probed = {b: fit(got[("R", b)], per_layer if b == hi else None, got[("Z", hi)], p, can_shard, loop)
-                  for b in {lo, hi}}
-        probed[lo] = dataclasses.replace(probed[lo], kappa=probed[hi].kappa, zeta=probed[hi].zeta)
+        probed = {}
+        for b in sorted({sizes[0], sizes[-1]}):
+            # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
+            per_layer = got.get(("L", b), got[("Z", b)] if not (can_shard & ~loop).any() else None)
+            probed[b] = fit(got[("R", b)], per_layer, got[("Z", b)], p, can_shard, loop)
         calibrations = {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
 
     def search(budget_limit):
