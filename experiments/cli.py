@@ -3,6 +3,7 @@
     osdp-jax train CONFIG [--steps N] [--budget B] [--devices N] [--out DIR] [--section.key=value ...]
     osdp-jax plan CONFIG [--out DIR] [...]
     osdp-jax compare CONFIG [--out DIR] [...]
+    osdp-jax profile [--out profile.json] [--devices N] [--mesh-shape 8] [--axes data]
 """
 from __future__ import annotations
 
@@ -33,7 +34,38 @@ def _parser():
         if name == "compare":
             c.add_argument("--measure-steps", type=int, default=8,
                            help="real steps per method to measure samples/s (trainable models only)")
+    prof = sub.add_parser("profile", help="measure this mesh's collectives and matmul throughput")
+    prof.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
+    prof.add_argument("--devices", type=int, default=None, help="simulate this many CPU devices")
+    prof.add_argument("--mesh-shape", default="8", help="comma-separated mesh shape, e.g. 8 or 2,4")
+    prof.add_argument("--axes", default="data", help="comma-separated axis names, e.g. data or replica,data")
+    prof.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
     return p
+
+
+def _profile(args) -> int:
+    shape = tuple(int(x) for x in args.mesh_shape.split(","))
+    axes = tuple(args.axes.split(","))
+    if len(shape) != len(axes):
+        print(f"osdp-jax: error: --mesh-shape {args.mesh_shape} and --axes {args.axes} differ in length",
+              file=sys.stderr)
+        return 2
+    _simulate_devices(args.devices or math.prod(shape))
+    import jax
+
+    from osdp_jax._hardware import save
+    from osdp_jax._profile import profile
+    if len(jax.devices()) < math.prod(shape):
+        print(f"osdp-jax: error: mesh {shape} needs {math.prod(shape)} devices, {len(jax.devices())} "
+              f"available; pass --devices", file=sys.stderr)
+        return 2
+    mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:math.prod(shape)])
+    hw, raw = profile(mesh, repeats=args.repeats)
+    save(hw, args.out, raw)
+    print(f"measured {hw.name}: {hw.flops / 1e9:.1f} GFLOP/s per device, collective bandwidth "
+          f"{hw.bandwidth / 1e9:.2f} GB/s, latency {hw.latency * 1e6:.0f} us")
+    print(f"wrote {args.out}; use it with --plan.hardware={args.out}")
+    return 0
 
 
 def _split_overrides(argv):
@@ -72,6 +104,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args_list, overrides = _split_overrides(argv)
     args = _parser().parse_args(args_list)
+    if args.command == "profile":
+        return _profile(args)
     if args.budget is not None:
         overrides["plan.budget"] = args.budget
     if getattr(args, "steps", None) is not None:

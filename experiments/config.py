@@ -41,7 +41,7 @@ class PlanConfig:
     budget: str = "1GiB"  # per-device memory budget, e.g. "64MiB", "8GB"
     batch_sizes: tuple[int, ...] = (32,)  # global batch sizes to sweep
     strategies: tuple[str, ...] = ("replicate", "zero3")
-    hardware: str = ""  # a preset name (osdp_jax.PRESETS); empty: the mesh's default
+    hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +114,10 @@ def _check(cfg: ExperimentConfig):
     if unknown or not cfg.plan.strategies:
         _fail("plan.strategies", f"unknown strategy {unknown[0]!r}; choose from {list(STRATEGIES)}"
               if unknown else "give at least one strategy")
-    if cfg.plan.hardware and cfg.plan.hardware not in PRESETS:
-        _fail("plan.hardware", f"unknown preset {cfg.plan.hardware!r}; known: {sorted(PRESETS)}")
+    hw = cfg.plan.hardware
+    if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
+        _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "
+                               f"file written by 'osdp-jax profile'")
     if cfg.optim.name not in ("adam", "adamw", "sgd"):
         _fail("optim.name", f"must be 'adam', 'adamw' or 'sgd', got {cfg.optim.name!r}")
     if cfg.optim.learning_rate <= 0:

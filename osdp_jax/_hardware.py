@@ -10,6 +10,7 @@ per-collective latency a (s), for a message of V bytes (the full, unsharded size
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 
@@ -131,8 +132,23 @@ def default_hardware(mesh) -> Hardware:
     return hw
 
 
+def save(hw: Hardware, path, measurements: dict | None = None) -> None:
+    """Write a hardware profile (and the raw measurements behind it) as JSON."""
+    with open(path, "w") as f:
+        json.dump({"hardware": hw.to_dict(), "measurements": measurements or {}}, f, indent=1)
+
+
+def load(path) -> Hardware:
+    """Read a profile written by :func:`save` (``osdp-jax profile``)."""
+    with open(path) as f:
+        d = json.load(f)
+    if not isinstance(d, dict) or "hardware" not in d:
+        raise ValueError(f"{path} is not an osdp-jax hardware profile (no 'hardware' key)")
+    return Hardware.from_dict(d["hardware"])
+
+
 def resolve_hardware(hardware, mesh) -> Hardware:
-    """A ``Hardware``, a preset name, a dict, or None (the mesh's default)."""
+    """A ``Hardware``, a preset name, a profile ``.json`` path, a dict, or None (the mesh's default)."""
     if hardware is None:
         return default_hardware(mesh)
     if isinstance(hardware, Hardware):
@@ -142,5 +158,8 @@ def resolve_hardware(hardware, mesh) -> Hardware:
     if isinstance(hardware, str):
         if hardware in PRESETS:
             return PRESETS[hardware]
-        raise ValueError(f"unknown hardware preset {hardware!r}; known: {sorted(PRESETS)}")
+        if hardware.endswith(".json") and os.path.isfile(hardware):
+            return load(hardware)
+        raise ValueError(f"unknown hardware preset {hardware!r}; known: {sorted(PRESETS)}, or a "
+                         f"profile .json file written by 'osdp-jax profile'")
     raise TypeError(f"hardware must be a Hardware, a preset name or a dict, got {type(hardware).__name__}")
