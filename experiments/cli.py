@@ -137,10 +137,9 @@ def main(argv=None):
             print(json.dumps(summary, indent=1))
             print(f"wrote {out}/plan.json, metrics.jsonl, summary.json")
         else:
-            rows = runner.compare(s, out, measure_steps=args.measure_steps)
+            runner.compare(s, out, measure_steps=args.measure_steps)
             print((out / "comparison.md").read_text())
             print(f"wrote {out}/comparison.json, comparison.md, comparison.png")
-            del rows
     except (ConfigError, osdp_jax.InfeasibleBudgetError, FloatingPointError) as e:
         print(f"osdp-jax: error: {e}", file=sys.stderr)
         return 2

@@ -152,25 +152,28 @@ def _section_types():
     return {name: hints[name] for name in hints}
 
 
+def _check_name(where: str, name: str, known, show) -> None:
+    """Fail for a name not in ``known``, suggesting the closest one; ``show`` formats a name."""
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=1)
+    what = "unknown section" if where.startswith("[") else "unknown key"
+    _fail(where, what + (f"; did you mean {show(close[0])}?" if close else f"; known: {sorted(known)}"))
+
+
 def from_dict(d: dict) -> ExperimentConfig:
     """Build and validate a config from nested dicts (as TOML gives)."""
     sections = _section_types()
     built = {}
     for name, value in d.items():
-        if name not in sections:
-            close = difflib.get_close_matches(name, sections, n=1)
-            _fail(f"[{name}]", "unknown section" + (f"; did you mean [{close[0]}]?" if close
-                                                     else f"; known: {sorted(sections)}"))
+        _check_name(f"[{name}]", name, sections, lambda k: f"[{k}]")
         if not isinstance(value, dict):
             _fail(f"[{name}]", "must be a table of keys")
         cls = sections[name]
         hints = typing.get_type_hints(cls)
         kwargs = {}
         for key, v in value.items():
-            if key not in hints:
-                close = difflib.get_close_matches(key, hints, n=1)
-                _fail(f"{name}.{key}", "unknown key" + (f"; did you mean {name}.{close[0]}?" if close
-                                                        else f"; known: {sorted(hints)}"))
+            _check_name(f"{name}.{key}", key, hints, lambda k: f"{name}.{k}")
             kwargs[key] = _coerce(f"{name}.{key}", v, hints[key])
         built[name] = cls(**kwargs)
     return ExperimentConfig(**built)
@@ -197,9 +200,7 @@ def load(path, overrides: dict[str, str] | None = None) -> ExperimentConfig:
         if section not in sections or not key:
             _fail(f"--{dotted}", f"overrides look like --section.key=value with a section from {sorted(sections)}")
         hints = typing.get_type_hints(sections[section])
-        if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
-            _fail(f"--{dotted}", "unknown key" + (f"; did you mean --{section}.{close[0]}?" if close else ""))
+        _check_name(f"--{dotted}", key, hints, lambda k: f"--{section}.{k}")
         d.setdefault(section, {})[key] = _parse_text(f"--{dotted}", text, hints[key])
     return from_dict(d)
 

@@ -1,7 +1,6 @@
 """``plan()``: describe -> cost -> search over batch sizes -> compile-verify -> ``Plan``."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time as _time

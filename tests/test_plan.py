@@ -1,7 +1,6 @@
 """osdp_jax.plan: budgets, predictions against XLA, edge cases, JSON."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -8,22 +8,6 @@ import osdp_jax
 import toy
 
 
-def single_device_losses(params, loss_fn, optimizer, batch, steps):
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(p, o):
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-        updates, o = optimizer.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, loss
-
-    losses = []
-    for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state)
-        losses.append(float(loss))
-    return losses, params
-
-
 def mixed_plan(params, mesh, loss_fn, batch, optimizer):
     """A budget halfway between the all-zero3 and all-replicate peaks forces a mix."""
     kwargs = dict(loss_fn=loss_fn, batch=batch, optimizer=optimizer)
@@ -59,7 +43,7 @@ def test_sharded_training_matches_single_device(mesh, flavour):
     for _ in range(4):
         sharded, opt_state, loss = step(sharded, opt_state, batch)
         losses.append(float(loss))
-    expected, final = single_device_losses(params, loss_fn, optimizer, batch, 4)
+    expected, final = toy.single_device_run(params, loss_fn, optimizer, batch, 4)
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
     assert losses[-1] < losses[0]
     # Adam divides by sqrt(v): for near-zero gradients, summation order alone moves an element by

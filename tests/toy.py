@@ -82,3 +82,21 @@ def nnx_setup():
 
 def tokens(batch=32, key=1):
     return jax.random.randint(jax.random.key(key), (batch, SEQ), 0, VOCAB)
+
+
+def single_device_run(params, loss_fn, optimizer, batch, steps):
+    """Losses and final params of plain single-device training, the reference for sharded runs."""
+    import optax
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(p, o):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    losses = []
+    for _ in range(steps):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    return losses, params
