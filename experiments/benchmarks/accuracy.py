@@ -1,0 +1,83 @@
+"""Cost-model accuracy: predicted vs XLA-measured peak, and predicted vs measured step time.
+
+For each mini model x {DDP, FSDP, OSDP} x budgets, on this machine's 8 simulated devices, with a
+hardware profile measured first (``osdp-jax profile``): plan, compile, train a few real steps.
+Prints a table and writes experiments/results/accuracy.md. Memory target: within 10%; step-time
+target: within 25%.
+
+Run: python experiments/benchmarks/accuracy.py [--steps 12]
+"""
+import argparse
+import dataclasses
+import os
+import pathlib
+import statistics
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+
+import osdp_jax  # noqa: E402
+from experiments import config, runner  # noqa: E402
+from osdp_jax._hardware import save  # noqa: E402
+from osdp_jax._profile import profile  # noqa: E402
+
+CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini")
+METHODS = (("DDP", ("replicate",)), ("FSDP", ("zero3",)), ("OSDP", ("replicate", "zero3")))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+    out = pathlib.Path("experiments/results")
+    mesh = jax.make_mesh((8,), ("data",))
+    hw, raw = profile(mesh)
+    save(hw, "/tmp/osdp_accuracy_profile.json", raw)
+    rows = []
+    for name in CONFIGS:
+        base = config.load(f"experiments/{name}.toml", {"plan.batch_sizes": "64", "plan.budget": "1GB",
+                                                        "plan.hardware": "/tmp/osdp_accuracy_profile.json"})
+        s = runner.setup(base)
+        ddp = runner.make_plan(s, strategies=("replicate",))
+        fsdp = runner.make_plan(s, strategies=("zero3",))
+        budgets = {"roomy": int(ddp.xla_peak_bytes * 1.05),
+                   "tight": int((ddp.xla_peak_bytes + fsdp.xla_peak_bytes) / 2)}
+        for label, budget in budgets.items():
+            cfg = dataclasses.replace(base, plan=dataclasses.replace(base.plan, budget=str(budget)),
+                                      train=dataclasses.replace(base.train, steps=args.steps))
+            sb = dataclasses.replace(s, cfg=cfg)
+            for method, strategies in METHODS:
+                try:
+                    plan = runner.make_plan(sb, strategies=strategies)
+                except osdp_jax.InfeasibleBudgetError:
+                    rows.append((name, label, method, None))
+                    continue
+                result = runner.train(sb, out / "_tmp", plan=plan, progress=False, write=False)
+                rows.append((name, label, method, dict(
+                    pred_peak=plan.predicted_peak_bytes, xla_peak=result["xla_peak_bytes"],
+                    pred_step=plan.predicted_step_seconds, meas_step=plan.batch_size / result["samples_per_second"])))
+    lines = ["# Cost-model accuracy on this machine (8 simulated CPU devices, measured profile)", "",
+             f"Made by `python experiments/benchmarks/accuracy.py --steps {args.steps}`. Measured hardware: "
+             f"{hw.flops / 1e9:.1f} GFLOP/s per device, {hw.bandwidth / 1e9:.2f} GB/s, "
+             f"{hw.latency * 1e6:.0f} us per collective. Peak: predicted by the cost model vs XLA's compiled "
+             "figure. Step time: predicted vs measured (median of real steps after the first).", "",
+             "| model | budget | method | predicted peak / XLA peak | predicted step / measured step |",
+             "|---|---|---|---|---|"]
+    mem_err, time_err = [], []
+    for name, label, method, r in rows:
+        if r is None:
+            lines.append(f"| {name} | {label} | {method} | does not fit | - |")
+            continue
+        m, t = r["pred_peak"] / r["xla_peak"], r["pred_step"] / r["meas_step"]
+        mem_err.append(abs(m - 1))
+        time_err.append(abs(t - 1))
+        lines.append(f"| {name} | {label} | {method} | {m:.3f} | {t:.2f} |")
+    lines += ["", f"Peak: largest error {max(mem_err):.1%}, median {statistics.median(mem_err):.1%} (target 10%).",
+              f"Step time: largest error {max(time_err):.0%}, median {statistics.median(time_err):.0%} (target 25%)."]
+    (out / "accuracy.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
