@@ -12,6 +12,7 @@ import dataclasses
 import os
 import pathlib
 import statistics
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -33,11 +34,12 @@ def main():
     out = pathlib.Path("experiments/results")
     mesh = jax.make_mesh((8,), ("data",))
     hw, raw = profile(mesh)
-    save(hw, "/tmp/osdp_accuracy_profile.json", raw)
+    profile_path = os.path.join(tempfile.mkdtemp(), "profile.json")
+    save(hw, profile_path, raw)
     rows = []
     for name in CONFIGS:
         base = config.load(f"experiments/{name}.toml", {"plan.batch_sizes": "64", "plan.budget": "1GB",
-                                                        "plan.hardware": "/tmp/osdp_accuracy_profile.json"})
+                                                        "plan.hardware": profile_path})
         s = runner.setup(base)
         ddp = runner.make_plan(s, strategies=("replicate",))
         fsdp = runner.make_plan(s, strategies=("zero3",))
