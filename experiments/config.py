@@ -105,15 +105,16 @@ def _check(cfg: ExperimentConfig):
     bad = [b for b in cfg.plan.batch_sizes if b <= 0 or b % n]
     if bad:
         _fail("plan.batch_sizes", f"{bad[0]} is not a positive multiple of the mesh's {n} devices")
-    from osdp_jax import PRESETS, STRATEGIES, parse_bytes
+    from osdp_jax import PRESETS, parse_bytes
+    from osdp_jax._strategies import check_strategies
     try:
         parse_bytes(cfg.plan.budget)
     except ValueError as e:
         _fail("plan.budget", str(e))
-    unknown = [s for s in cfg.plan.strategies if s not in STRATEGIES]
-    if unknown or not cfg.plan.strategies:
-        _fail("plan.strategies", f"unknown strategy {unknown[0]!r}; choose from {list(STRATEGIES)}"
-              if unknown else "give at least one strategy")
+    try:
+        check_strategies(cfg.plan.strategies)
+    except ValueError as e:
+        _fail("plan.strategies", str(e))
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

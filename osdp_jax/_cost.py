@@ -77,10 +77,6 @@ class CostTables:
     base_mem: float
     base_time: float
 
-    def peak(self, choices) -> float:
-        idx = np.arange(len(choices))
-        return float(self.base_mem + self.mem[idx, choices].sum() + self.pools[idx, choices].sum(axis=0).max())
-
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:

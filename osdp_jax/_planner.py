@@ -15,7 +15,7 @@ from ._gather import discover
 from ._hardware import resolve_hardware
 from ._plan import ParamPlan, Plan
 from ._search import InfeasibleBudgetError, solve_pools
-from ._strategies import STRATEGIES, axes_size, check_strategies, data_axes, spec_for
+from ._strategies import axes_size, check_strategies, data_axes, spec_for
 from ._units import format_bytes, parse_bytes
 from ._xla import profile_step
 
@@ -141,39 +141,41 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
             probed[b] = fit(got[("R", b)], per_layer, got[("Z", b)], p, can_shard, loop)
         calibrations = {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
 
+    t_search = _time.perf_counter()
+    # one set of cost tables per batch size, shared by every search below
+    tables_for = {size: cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw,
+                                    _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0,
+                                    calibrations[size], in_loop)
+                  for size in sizes}
+
+    def candidate(size, sol):
+        tables = tables_for[size]
+        step_s = tables.base_time + sol.time
+        sps = size / step_s if size is not None and step_s > 0 else None
+        return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
+
     def search(budget_limit):
         best, min_needed = None, math.inf
-        for size in sizes:
-            bb = _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0
-            tables = cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw, bb,
-                                 calibrations[size], in_loop)
+        for size, tables in tables_for.items():
             try:
                 sol = solve_pools(tables.time, tables.mem, tables.pools, budget_limit - tables.base_mem)
             except InfeasibleBudgetError as e:
                 min_needed = min(min_needed, e.min_bytes + tables.base_mem)
                 continue
-            step_s = tables.base_time + sol.time
-            sps = size / step_s if size is not None and step_s > 0 else None
-            key = sps if sps is not None else -sol.time
-            if best is None or key > best[0]:
-                best = (key, size, sol, tables, step_s, sps)
+            found = candidate(size, sol)
+            if best is None or found[0] > best[0]:
+                best = found
         return best, min_needed
 
     def least_memory():
         """The plan with the smallest predicted peak, at the smallest batch size."""
-        size = sizes[0]
-        bb = _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0
-        tables = cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw, bb,
-                             calibrations[size], in_loop)
+        tables = tables_for[sizes[0]]
         try:
             solve_pools(tables.time, tables.mem, tables.pools, -1.0)
         except InfeasibleBudgetError as e:
             floor = e.min_bytes
-        sol = solve_pools(tables.time, tables.mem, tables.pools, floor * (1 + 1e-9) + 1)
-        step_s = tables.base_time + sol.time
-        return (None, size, sol, tables, step_s, size / step_s if size and step_s > 0 else None)
+        return candidate(sizes[0], solve_pools(tables.time, tables.mem, tables.pools, floor * (1 + 1e-9) + 1))
 
-    t_search = _time.perf_counter()
     best, min_needed = search(budget_bytes)
     t_search = _time.perf_counter() - t_search
     if best is None:
@@ -223,5 +225,3 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         f"compiled: the plan that needs the least memory peaks at {format_bytes(measured)} by XLA; "
         f"the smallest budget that fits is {measured} bytes", min_bytes=int(measured))
 
-
-__all__ = ["plan", "STRATEGIES"]

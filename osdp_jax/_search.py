@@ -37,6 +37,11 @@ class InfeasibleBudgetError(ValueError):
         self.min_bytes = min_bytes
 
 
+def _infeasible(budget: float, min_needed: float) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget that fits "
+                                 f"is {min_needed:.6g}", min_bytes=float(min_needed))
+
+
 @dataclasses.dataclass(frozen=True)
 class Solution:
     """The optimum: ``choices[i]`` is item i's column; ``time`` and ``mem`` (peak, with transient)."""
@@ -248,9 +253,7 @@ def solve(time_cost, mem_cost, budget: float, *, transient=None,
                 choices, transient, units)
             best = (t, peak, choices)
     if best is None:
-        raise InfeasibleBudgetError(
-            f"no choice fits the budget {budget:.6g}; the smallest budget that fits is "
-            f"{min_needed:.6g}", min_bytes=min_needed)
+        raise _infeasible(budget, min_needed)
     return Solution(choices=best[2], time=float(time_cost[np.arange(n), best[2]].sum()), mem=best[1])
 
 
@@ -335,9 +338,7 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     floor = np.array([res[i, ok[i]].min(axis=0) for i in range(n)]).reshape(n, k)
     need = floor.sum(axis=0)
     if (need > cap).any():
-        min_bytes = float(_min_peak(res, ok))
-        raise InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget that "
-                                    f"fits is {min_bytes:.6g}", min_bytes=min_bytes)
+        raise _infeasible(budget, _min_peak(res, ok))
     groups: dict[bytes, list[int]] = {}
     for i in range(n):
         key = np.where(ok[i][:, None], res[i], np.inf).tobytes() + time_cost[i].tobytes()
@@ -358,9 +359,7 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
         all_res = (f_res[:, None, :] + g_res[None, :, :]).reshape(-1, k)
         keep = _dominance_prune(all_time, all_res, cap - remaining)
         if not len(keep):
-            min_bytes = float(_min_peak(res, ok))
-            raise InfeasibleBudgetError(f"no choice fits the budget {budget:.6g}; the smallest budget "
-                                        f"that fits is {min_bytes:.6g}", min_bytes=min_bytes)
+            raise _infeasible(budget, _min_peak(res, ok))
         fi, gi = np.divmod(keep, len(g_time))
         stages.append((items, cols, counts, fi, gi))
         f_time, f_res = all_time[keep], all_res[keep]
