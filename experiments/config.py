@@ -41,6 +41,7 @@ class PlanConfig:
     budget: str = "1GiB"  # per-device memory budget, e.g. "64MiB", "8GB"
     batch_sizes: tuple[int, ...] = (32,)  # global batch sizes to sweep
     strategies: tuple[str, ...] = ("replicate", "zero3")
+    splits: tuple[int, ...] = (1, 2, 4, 8)  # operator-splitting slice counts to consider; [1] = off
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
 
 
@@ -106,7 +107,7 @@ def _check(cfg: ExperimentConfig):
     if bad:
         _fail("plan.batch_sizes", f"{bad[0]} is not a positive multiple of the mesh's {n} devices")
     from osdp_jax import PRESETS, parse_bytes
-    from osdp_jax._strategies import check_strategies
+    from osdp_jax._strategies import check_splits, check_strategies
     try:
         parse_bytes(cfg.plan.budget)
     except ValueError as e:
@@ -115,6 +116,10 @@ def _check(cfg: ExperimentConfig):
         check_strategies(cfg.plan.strategies)
     except ValueError as e:
         _fail("plan.strategies", str(e))
+    try:
+        check_splits(cfg.plan.splits)
+    except ValueError as e:
+        _fail("plan.splits", str(e))
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

@@ -109,12 +109,13 @@ def setup(cfg: ExperimentConfig) -> Setup:
                  models.make_loss(module), seq_len)
 
 
-def make_plan(s: Setup, strategies=None, verify=True) -> osdp_jax.Plan:
+def make_plan(s: Setup, strategies=None, splits=None, verify=True) -> osdp_jax.Plan:
     p = s.cfg.plan
     return osdp_jax.plan(
         s.abstract_params(), s.mesh, budget=p.budget, loss_fn=s.loss_fn,
         batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes, optimizer=s.optimizer,
-        hardware=p.hardware or None, strategies=strategies or p.strategies, verify=verify)
+        hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
+        verify=verify)
 
 
 def addition_accuracy(s: Setup, params) -> float:
@@ -205,11 +206,12 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
     """DDP, FSDP and OSDP under one budget, each at its own best batch size."""
     rows = []
     trainable = s.n_params <= TRAINABLE_PARAMS
-    for name, strategies in (("DDP", ("replicate",)), ("FSDP", ("zero3",)),
-                             ("OSDP", ("replicate", "zero3"))):
+    # the baselines do not split operators; OSDP takes the config's split counts
+    for name, strategies, splits in (("DDP", ("replicate",), (1,)), ("FSDP", ("zero3",), (1,)),
+                                     ("OSDP", ("replicate", "zero3"), None)):
         row = {"method": name, "strategies": list(strategies)}
         try:
-            plan = make_plan(s, strategies=strategies)
+            plan = make_plan(s, strategies=strategies, splits=splits)
         except osdp_jax.InfeasibleBudgetError as e:
             row.update(fits=False, min_bytes=e.min_bytes)
             rows.append(row)
@@ -217,7 +219,7 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
         row.update(fits=True, batch_size=plan.batch_size, predicted_peak_bytes=plan.predicted_peak_bytes,
                    xla_peak_bytes=plan.xla_peak_bytes,
                    predicted_samples_per_second=plan.predicted_samples_per_second,
-                   counts=plan.counts())
+                   counts=plan.counts(), splits=plan.splits_by_path)
         if trainable and measure_steps > 0:
             sub = dataclasses.replace(s, cfg=dataclasses.replace(
                 s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
@@ -241,14 +243,15 @@ def comparison_markdown(s: Setup, rows) -> str:
              f"{s.cfg.plan.hardware or 'default for the mesh'}, batch sizes {list(s.cfg.plan.batch_sizes)}. "
              "Predicted figures come from the cost model; XLA peak is measured by compiling the step; "
              "measured samples/s is a median over real steps on this machine.", "",
-             "| method | fits | batch | strategies | predicted peak | XLA peak | predicted samples/s | measured samples/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | fits | batch | strategies | split kernels | predicted peak | XLA peak | predicted samples/s | measured samples/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - |")
+            lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - | - |")
             continue
         meas = r.get("measured_samples_per_second")
-        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {f(r['predicted_peak_bytes'])} "
+        splits = ", ".join(f"{p.rsplit('/', 1)[0]} k={k}" for p, k in r.get("splits", {}).items()) or "-"
+        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {f(r['predicted_peak_bytes'])} "
                      f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
                      f"| {f'{meas:.1f}' if meas else 'not measured'} |")
     return "\n".join(lines) + "\n"

@@ -45,16 +45,19 @@ class TransformerConfig:
 
 
 def attention(x, qkv_kernel, qkv_bias, out_kernel, out_bias, n_head: int, causal: bool):
-    """Multi-head self-attention in plain JAX: ``x`` (B, T, D) -> (B, T, D)."""
+    """Multi-head self-attention in plain JAX: ``x`` (B, T, D) -> (B, T, D).
+
+    The projections go through ``osdp_jax.split.dense``, so a plan may split their kernels.
+    """
     b, t, d = x.shape
-    q, k, v = jnp.split(x @ qkv_kernel + qkv_bias, 3, axis=-1)
+    q, k, v = jnp.split(osdp_jax.split.dense(x, qkv_kernel, qkv_bias), 3, axis=-1)
     q, k, v = (y.reshape(b, t, n_head, d // n_head) for y in (q, k, v))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // n_head).astype(x.dtype)
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
     att = jax.nn.softmax(scores, axis=-1)
     y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
-    return y @ out_kernel + out_bias
+    return osdp_jax.split.dense(y, out_kernel, out_bias)
 
 
 class Block(nn.Module):

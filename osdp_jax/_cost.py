@@ -33,6 +33,12 @@ kappa, all-zero3 gives zeta. Without a loss function to compile: temp_R = 2 P, k
 (no parameter is known to be gathered per layer), zeta = 2 (gathered weight plus its gradient),
 an estimate that leaves activations out.
 
+*Split* (operator splitting, ``osdp_jax.split``, k slices; zero3 kernels only): the kernel is
+gathered one slice at a time inside its own rematerialised loop. A per-step kernel then puts
+zeta p_i / k in the Z pool instead of zeta p_i (modelled). A per-layer kernel saves a further
+sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma fitted on a probe that splits every
+per-layer kernel at its largest k.
+
 The max makes the search a two-pool knapsack (``_search.solve_pools``), solved exactly.
 
 Time per step: compute + communication, not overlapped::
@@ -42,6 +48,8 @@ Time per step: compute + communication, not overlapped::
     zero3:     all-gather(p_i) + reduce-scatter(p_i)            = 2a + 2(N-1)/N p_i / W
     zero3, gathered per layer (L_i layers, re-gathered in the backward pass):
                L_i (2 all-gather + reduce-scatter)(p_i / L_i)   = 3 L_i a + 3(N-1)/N p_i / W
+    zero3 split in k slices (each re-gathered in the backward pass), L_i = 1 if per step:
+               L_i k (2 all-gather + reduce-scatter)(p_i / (L_i k))
 
 (one all-gather for a per-step parameter: the gathered weight is kept for the backward pass).
 """
@@ -58,19 +66,21 @@ from ._hardware import Hardware
 from ._xla import StepProfile
 
 GATHERS_PER_STEP = 1  # all-gathers of one zero3 weight per step in _train.py
+SIGMA_ESTIMATE = 2.0  # uncalibrated split saving: one layer's gathered slice and its gradient
 
 
 @dataclasses.dataclass(frozen=True)
 class CostTables:
     """Per-parameter costs for one batch size, per device.
 
+    Columns are ``(strategy, k)`` choices (k: split count, 1 = not split).
     ``time[i, s]`` seconds; ``mem[i, s]`` bytes held through the step; ``pools[i, s, k]`` transient
     bytes in pool k (0: replicated-gradient buffer, 1: gathered zero3 weights). ``inf`` marks a
     strategy the parameter cannot take. Peak = ``base_mem + sum mem + max_k sum pools[..., k]``;
     step time = ``base_time + sum time``.
     """
 
-    strategies: tuple[str, ...]
+    columns: tuple[tuple[str, int], ...]
     time: np.ndarray
     mem: np.ndarray
     pools: np.ndarray
@@ -85,11 +95,17 @@ class Calibration:
     replicate: StepProfile
     kappa: float = 0.0  # temp bytes saved per byte of per-layer parameter made zero3
     zeta: float = 0.0  # temp bytes per byte of per-step parameter made zero3 (the Z pool)
+    sigma: float = SIGMA_ESTIMATE  # temp bytes saved per byte of (1 - 1/k) p / L split per layer
 
 
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
-        p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray) -> Calibration:
-    """kappa and zeta from the three probes (module docstring); ``loop`` marks per-layer params."""
+        p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
+        split: StepProfile | None = None, split_share: float = 0.0) -> Calibration:
+    """kappa, zeta and sigma from the probes (module docstring); ``loop`` marks per-layer params.
+
+    ``split`` is the all-zero3 step with every per-layer splittable kernel split at its largest
+    k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels.
+    """
     z_loop = p[can_shard & loop].sum()
     top_sh, top_fixed = p[can_shard & ~loop].sum(), p[~can_shard & ~loop].sum()
     kappa = (replicate.temp_bytes - per_layer.temp_bytes) / z_loop if per_layer and z_loop else 0.0
@@ -98,7 +114,10 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
         # temp_Z = temp_R - 2 P_T + R_fixed + max(R_fixed, zeta Z_T) - kappa Z_L
         rest = zero3.temp_bytes - replicate.temp_bytes + 2 * (top_sh + top_fixed) - top_fixed + kappa * z_loop
         zeta = max(0.0, rest / top_sh)
-    return Calibration(replicate, kappa, zeta)
+    sigma = SIGMA_ESTIMATE
+    if split is not None and split_share:
+        sigma = max(0.0, (zero3.temp_bytes - split.temp_bytes) / split_share)
+    return Calibration(replicate, kappa, zeta, sigma)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -122,18 +141,20 @@ def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
     return per_leaf, total - int(per_leaf.sum())
 
 
-def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int, layers: int = 0) -> float:
+def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int, layers: int = 0, split: int = 1) -> float:
     """Seconds of collectives per step for one parameter of ``nbytes`` (formulas in the module doc).
 
     ``layers`` > 0: a stacked parameter gathered per layer inside the model's loop, so each of
     its collectives runs ``layers`` times on 1/layers of the bytes, and the backward pass gathers
-    again (rematerialisation): 2 all-gathers and 1 reduce-scatter per layer.
+    again (rematerialisation): 2 all-gathers and 1 reduce-scatter per layer. ``split`` = k > 1:
+    the same per slice, k times as many collectives on 1/k of the bytes.
     """
     if strategy == "replicate":
         return hw.all_reduce(nbytes, n)
-    if strategy == "zero3" and layers:
-        per = nbytes / layers
-        return layers * (2 * hw.all_gather(per, n) + hw.reduce_scatter(per, n))
+    if strategy == "zero3" and (layers or split > 1):
+        times = max(layers, 1) * split
+        per = nbytes / times
+        return times * (2 * hw.all_gather(per, n) + hw.reduce_scatter(per, n))
     if strategy == "zero3":
         return GATHERS_PER_STEP * hw.all_gather(nbytes, n) + hw.reduce_scatter(nbytes, n)
     raise ValueError(f"unknown strategy {strategy!r}")
@@ -148,14 +169,15 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
     mixed = StepProfile(lin(p0.argument_bytes, p1.argument_bytes), lin(p0.output_bytes, p1.output_bytes),
                         lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
                         p0.flops + w * (p1.flops - p0.flops), p0.collectives)
-    return Calibration(mixed, c0.kappa + w * (c1.kappa - c0.kappa), c0.zeta + w * (c1.zeta - c0.zeta))
+    lerp = lambda a, b: a + w * (b - a)  # noqa: E731
+    return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma))
 
 
 RHO = 1.0  # combined all-reduce buffer per replicated gradient byte
 ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
 
 
-def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple[str, ...],
+def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 opt_bytes: np.ndarray, other_opt_bytes: int, n: int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None,
                 in_loop: frozenset = frozenset()) -> CostTables:
@@ -163,8 +185,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
 
     Args:
       infos: the parameters.
-      available: ``(n_params, n_strategies)`` bool, whether parameter i can take strategy s.
-      strategies: strategy names, the columns.
+      available: ``(n_params, n_columns)`` bool, whether parameter i can take column c.
+      columns: the choices, each a strategy name or ``(strategy, k)`` with k the split count.
       opt_bytes: optimizer-state bytes per parameter; ``other_opt_bytes`` the rest of the state.
       n: data-parallel devices.
       hw: hardware for the time model.
@@ -187,10 +209,11 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
     # all-replicate temp less the per-step parameters' share that the plan changes
     base_mem = (r.argument_bytes - (p + o).sum() + r.output_bytes - r.alias_bytes
                 + r.temp_bytes - (1 + RHO) * p[~loop].sum())
-    mem = np.full((len(infos), len(strategies)), np.inf)
-    pools = np.zeros((len(infos), len(strategies), 2))
+    columns = tuple((c, 1) if isinstance(c, str) else tuple(c) for c in columns)
+    mem = np.full((len(infos), len(columns)), np.inf)
+    pools = np.zeros((len(infos), len(columns), 2))
     time = np.full_like(mem, np.inf)
-    for s, name in enumerate(strategies):
+    for s, (name, k) in enumerate(columns):
         ok = available[:, s]
         top, per_layer = ok & ~loop, ok & loop
         if name == "replicate":
@@ -200,10 +223,12 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, strategies: tuple
         else:
             mem[ok, s] = ((p + o) / n)[ok]
             mem[per_layer, s] -= cal.kappa * p[per_layer]
-            pools[top, s, 1] = cal.zeta * p[top]
-        time[ok, s] = [comm_seconds(b, name, hw, n, int(k)) for b, k in zip(p[ok], layers[ok])]
+            pools[top, s, 1] = cal.zeta * p[top] / k
+            if k > 1:
+                mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]
+        time[ok, s] = [comm_seconds(b, name, hw, n, int(L), k) for b, L in zip(p[ok], layers[ok])]
     # the search wants non-negative costs: move each row's smallest entry into the base
     shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
     mem -= shift[:, None]
-    return CostTables(strategies, time, mem, pools, float(base_mem + shift.sum()),
+    return CostTables(columns, time, mem, pools, float(base_mem + shift.sum()),
                       r.flops / hw.flops if calibration is not None else 0.0)

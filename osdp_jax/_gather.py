@@ -18,22 +18,10 @@ loss once (``discover``).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
-
 import jax
 
+from ._context import ACTIVE, StepContext, active
 from ._describe import path_name, strip_boxes
-
-
-@dataclasses.dataclass
-class _Context:
-    specs: dict  # path -> (sharded dim of the stacked parameter, mesh axes)
-    recorded: set | None = None  # discovery mode: collect paths, gather nothing
-
-
-_ACTIVE: contextvars.ContextVar[_Context | None] = contextvars.ContextVar("osdp_jax_gather", default=None)
 
 
 def gather_params(tree, prefix: str = ""):
@@ -42,43 +30,49 @@ def gather_params(tree, prefix: str = ""):
     Args:
       tree: the slices one loop iteration uses (leading layer axis already removed).
       prefix: the path of the stacked parameters in the params tree, e.g. ``"blocks/layers"``.
+
+    A slice the plan *splits* (operator splitting, ``osdp_jax.split``) is passed on as its local
+    shard: the split layer gathers it one piece at a time.
     """
-    ctx = _ACTIVE.get()
+    ctx = ACTIVE.get()
     if ctx is None:
         return tree
     from ._train import gather  # the custom_vjp all-gather / reduce-scatter pair
 
     def one(path, x):
         name = "/".join(p for p in (prefix, path_name(path)) if p)
-        if ctx.recorded is not None:
-            ctx.recorded.add(name)
-            return x
-        if name in ctx.specs:
-            dim, axes = ctx.specs[name]
+        if ctx.recording:
+            ctx.recorded_loop.add(name)
+            return ctx.wrap(x, name, stacked=True)
+        if name in ctx.split:
+            return ctx.wrap(x, name, stacked=True)
+        if name in ctx.gathered:
+            dim, axes = ctx.gathered[name]
             return gather(x, dim - 1, axes)  # the slice has lost the leading layer axis
         return x
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-@contextlib.contextmanager
-def gathering(specs: dict):
-    """While tracing a train step: ``gather_params`` gathers the given ``{path: (dim, axes)}``."""
-    token = _ACTIVE.set(_Context(specs))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+def wrap_tree(ctx: StepContext, params):
+    """``params`` (unboxed) as the model sees them: split kernels wrapped (``StepContext.wrap``)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: ctx.wrap(x, path_name(path), stacked=False), params)
 
 
-def discover(loss_fn, params, batch) -> set[str]:
-    """Paths of the parameters ``loss_fn`` passes through :func:`gather_params` (traced abstractly)."""
-    ctx = _Context({}, recorded=set())
-    token = _ACTIVE.set(ctx)
-    try:
+def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:
+    """Paths of the parameters ``loss_fn`` passes through :func:`gather_params`, and of the
+    kernels it runs through a splittable dense layer (``osdp_jax.split``), traced abstractly."""
+    from ._split import intercepting
+
+    ctx = StepContext({}, recording=True)
+
+    def traced(p, b):
+        p = wrap_tree(ctx, strip_boxes(p))
+        with intercepting():
+            return loss_fn(p, b)
+
+    with active(ctx):
         # a fresh function each time: eval_shape caches traces by function, and a cached trace
-        # would not call gather_params again
-        jax.eval_shape(lambda p, b: loss_fn(p, b), strip_boxes(params), batch)
-    finally:
-        _ACTIVE.reset(token)
-    return ctx.recorded
+        # would not call the hooks again
+        jax.eval_shape(traced, params, batch)
+    return ctx.recorded_loop, ctx.recorded_split

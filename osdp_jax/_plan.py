@@ -37,6 +37,7 @@ class ParamPlan:
     spec: P
     nbytes: int  # whole parameter, bytes
     in_loop: bool = False  # gathered per layer inside the model's loop (osdp_jax.gather_params)
+    split: int = 1  # operator splitting: slices its dense layer gathers one at a time (zero3 only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,16 @@ class Plan:
         return self._tree([pp.strategy for pp in self.params])
 
     @property
+    def splits(self):
+        """Pytree of split counts k shaped like the (unboxed) params (1: not split)."""
+        return self._tree([pp.split for pp in self.params])
+
+    @property
+    def splits_by_path(self) -> dict[str, int]:
+        """Paths of the split kernels and their k (> 1)."""
+        return {pp.path: pp.split for pp in self.params if pp.split > 1}
+
+    @property
     def specs_by_path(self) -> dict[str, P]:
         return {pp.path: pp.spec for pp in self.params}
 
@@ -101,13 +112,14 @@ class Plan:
         """A table: one row per group of parameters with the same shape, dtype and strategy."""
         groups: dict[tuple, list[ParamPlan]] = {}
         for pp in self.params:
-            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec, pp.in_loop), []).append(pp)
-        rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "bytes each")]
-        for (shape, dtype, strategy, spec, _), pps in groups.items():
+            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec, pp.in_loop, pp.split), []).append(pp)
+        rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
+                 "bytes each")]
+        for (shape, dtype, strategy, spec, _, split), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
             where = "-" if strategy == "replicate" else ("per layer" if pps[0].in_loop else "per step")
             rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
-                         where, format_bytes(pps[0].nbytes)))
+                         where, str(split) if split > 1 else "-", format_bytes(pps[0].nbytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "-" * len(lines[0]))
@@ -116,7 +128,8 @@ class Plan:
         lines += [
             "",
             f"mesh axes {self.axes} ({self.num_devices} data-parallel devices), hardware {self.hardware}",
-            f"parameters: {format_bytes(total)} total; strategies: {self.counts()}",
+            f"parameters: {format_bytes(total)} total; strategies: {self.counts()}; "
+            f"split kernels: {len(self.splits_by_path)}",
             f"batch size: {self.batch_size if self.batch_size is not None else '-'}",
             f"per-device peak: predicted {format_bytes(self.predicted_peak_bytes)}, "
             f"XLA {format_bytes(self.xla_peak_bytes) if self.xla_peak_bytes is not None else 'not compiled'}, "
@@ -136,7 +149,7 @@ class Plan:
         d["format"] = PLAN_FORMAT
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
-                        "in_loop": pp.in_loop}
+                        "in_loop": pp.in_loop, "split": pp.split}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -146,7 +159,8 @@ class Plan:
         if d.pop("format", None) != PLAN_FORMAT:
             raise ValueError(f"not an osdp-jax plan (format {PLAN_FORMAT}) JSON")
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
-                                 _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False))
+                                 _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
+                                 p.get("split", 1))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

@@ -15,7 +15,7 @@ from ._gather import discover
 from ._hardware import resolve_hardware
 from ._plan import ParamPlan, Plan
 from ._search import InfeasibleBudgetError, solve_pools
-from ._strategies import axes_size, check_strategies, data_axes, spec_for
+from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes, sharded_dim, spec_for
 from ._units import format_bytes, parse_bytes
 from ._xla import profile_step
 
@@ -48,7 +48,7 @@ def _progress(iterable, total, desc):
 
 
 def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=None, optimizer=None,
-         hardware=None, strategies=None, axis=None, verify: bool = True) -> Plan:
+         hardware=None, strategies=None, axis=None, splits=DEFAULT_SPLITS, verify: bool = True) -> Plan:
     """The highest-throughput plan whose whole training step fits ``budget`` per device.
 
     Args:
@@ -65,6 +65,9 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
       optimizer: an optax optimizer (default ``optax.adam(1e-3)``); its state is part of the memory.
       hardware: a :class:`Hardware`, a preset name or a dict; default from the mesh's devices.
       strategies: allowed strategy names, e.g. ``("zero3",)`` (FSDP) or ``("replicate",)`` (DDP).
+      splits: candidate split counts k for zero3 kernels of dense layers (operator splitting,
+        ``osdp_jax.split``); ``(1,)`` disables splitting. A kernel takes k only when the device
+        count times k divides its sharded dimension.
       verify: compile the chosen plan and re-plan if XLA's peak exceeds the budget.
 
     Raises:
@@ -72,6 +75,7 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     """
     infos = describe(params)
     strategies = check_strategies(strategies)
+    splits = check_splits(splits)
     axes = data_axes(mesh, axis)
     n = axes_size(mesh, axes)
     hw = resolve_hardware(hardware, mesh)
@@ -94,32 +98,54 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
             raise ValueError("loss_fn needs an example batch: pass batch=...")
         sizes = [None]
 
-    # Parameters the model gathers itself inside its layer loop (osdp_jax.gather_params).
-    in_loop = frozenset()
+    # Parameters the model gathers itself inside its layer loop (osdp_jax.gather_params), and
+    # kernels of dense layers it may split (osdp_jax.split).
+    in_loop, splittable = frozenset(), frozenset()
     if loss_fn is not None:
         shapes = {i.path: i.shape for i in infos}
-        in_loop = frozenset(p for p in discover(loss_fn, abstract, batch) if len(shapes.get(p, ())) >= 2)
+        loop_found, split_found = discover(loss_fn, abstract, batch)
+        in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
+        splittable = frozenset(p for p in split_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
 
-    # A parameter that none of the allowed strategies can store (a 0-d scalar, or no dimension
-    # the device count divides, under zero3) is replicated, the one layout that always applies.
-    columns = strategies if "replicate" in strategies else (*strategies, "replicate")
-    options = [[spec_for(i, s, axes, n, i.path in in_loop) if s in strategies else None for s in columns]
-               for i in infos]
+    def split_counts(info) -> list[int]:
+        """Split counts k > 1 a zero3 kernel can take: n k must divide its sharded dimension."""
+        spec = spec_for(info, "zero3", axes, n, info.path in in_loop)
+        if info.path not in splittable or spec is None:
+            return []
+        size = info.shape[sharded_dim(spec)]
+        return [k for k in splits if k > 1 and size % (n * k) == 0]
+
+    # Columns are (strategy, k) choices. A parameter that none of the allowed strategies can
+    # store (a 0-d scalar, or no dimension the device count divides, under zero3) is
+    # replicated, the one layout that always applies.
+    names = strategies if "replicate" in strategies else (*strategies, "replicate")
+    columns = [(s, 1) for s in names] + [("zero3", k) for k in splits if k > 1 and "zero3" in strategies]
+    ks = {i.path: split_counts(i) for i in infos}
+    options = []
+    for i in infos:
+        row = []
+        for s, k in columns:
+            spec = spec_for(i, s, axes, n, i.path in in_loop) if s in strategies else None
+            if s == "zero3" and k > 1 and k not in ks[i.path]:
+                spec = None
+            if s == "zero3" and k == 1 and 1 not in splits and ks[i.path]:
+                spec = None  # this kernel must split
+            row.append(spec)
+        options.append(row)
     for info, row in zip(infos, options):
         if all(o is None for o in row):
-            row[columns.index("replicate")] = spec_for(info, "replicate", axes, n)
+            row[columns.index(("replicate", 1))] = spec_for(info, "replicate", axes, n)
             log.info("parameter %s %s cannot be stored as %s: replicated", info.path, info.shape,
                      "/".join(strategies))
     available = np.array([[o is not None for o in row] for row in options], dtype=bool)
-    strategies = columns
 
     def specs(zero3_where):
         return {i.path: (spec_for(i, "zero3", axes, n, i.path in in_loop) if zero3_where(i) else None)
                 or spec_for(i, "replicate", axes, n) for i in infos}
 
-    def probe(size, zero3_where):
+    def probe(size, zero3_where, split=None):
         return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, size), mesh, axes,
-                            specs(zero3_where), in_loop)
+                            specs(zero3_where), in_loop, split)
 
     # Activations, temporaries and FLOPs grow linearly with the batch: compile the probes at the
     # smallest and largest batch size and interpolate between them (the chosen plan is compiled
@@ -130,20 +156,27 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         loop = np.array([i.path in in_loop for i in infos])
         can_shard = np.array([spec_for(i, "zero3", axes, n, i.path in in_loop) is not None for i in infos])
         kinds = ["R", "Z"] + (["L"] if (can_shard & loop).any() and (can_shard & ~loop).any() else [])
-        where = {"R": lambda i: False, "Z": lambda i: True, "L": lambda i: i.path in in_loop}
+        # every per-layer splittable kernel split at its largest k, the rest as in the Z probe
+        split_probe = {i.path: ks[i.path][-1] for i in infos if i.path in in_loop and ks[i.path]}
+        split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in infos
+                          if (k := split_probe.get(i.path)))
+        kinds += ["S"] if split_probe else []
+        where = {"R": lambda i: False, "Z": lambda i: True, "L": lambda i: i.path in in_loop,
+                 "S": lambda i: True}
         jobs = [(k, b) for b in sorted({sizes[0], sizes[-1]}) for k in kinds]
-        got = {job: probe(job[1], where[job[0]])
+        got = {job: probe(job[1], where[job[0]], split_probe if job[0] == "S" else None)
                for job in _progress(jobs, len(jobs), "osdp-jax: compiling probes")}
         probed = {}
         for b in sorted({sizes[0], sizes[-1]}):
             # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
             per_layer = got.get(("L", b), got[("Z", b)] if not (can_shard & ~loop).any() else None)
-            probed[b] = fit(got[("R", b)], per_layer, got[("Z", b)], p, can_shard, loop)
+            probed[b] = fit(got[("R", b)], per_layer, got[("Z", b)], p, can_shard, loop,
+                            got.get(("S", b)), split_share)
         calibrations = {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
 
     t_search = _time.perf_counter()
     # one set of cost tables per batch size, shared by every search below
-    tables_for = {size: cost_tables(infos, available, strategies, opt_bytes, other_opt, n, hw,
+    tables_for = {size: cost_tables(infos, available, columns, opt_bytes, other_opt, n, hw,
                                     _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0,
                                     calibrations[size], in_loop)
                   for size in sizes}
@@ -187,8 +220,8 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
 
     def build(best_, xla_peak=None):
         _, size, sol, tables, step_s, sps = best_
-        pps = tuple(ParamPlan(i.path, i.shape, str(i.dtype), strategies[c], options[k][c], i.nbytes,
-                              i.path in in_loop)
+        pps = tuple(ParamPlan(i.path, i.shape, str(i.dtype), columns[c][0], options[k][c], i.nbytes,
+                              i.path in in_loop, columns[c][1])
                     for k, (i, c) in enumerate(zip(infos, sol.choices)))
         return Plan(pps, axes, n, size, budget_bytes, tables.base_mem + sol.mem,
                     step_s if size is not None else None, sps, xla_peak, hw.name, t_search,
@@ -202,7 +235,7 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     # the least memory, and if even that does not fit, its XLA peak is the minimum to report.
     def xla_peak(plan_):
         return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, plan_.batch_size),
-                            mesh, axes, plan_.specs_by_path, in_loop).peak_bytes
+                            mesh, axes, plan_.specs_by_path, in_loop, plan_.splits_by_path).peak_bytes
 
     error = 0.0
     for attempt in range(MAX_VERIFY_TRIES):

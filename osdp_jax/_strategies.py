@@ -2,9 +2,12 @@
 
 - ``"replicate"``: every data-parallel device holds the whole parameter (spec ``P()``).
 - ``"zero3"``: the parameter is split along one dimension over all data-parallel axes; it is
-  gathered before use and its gradient reduce-scattered. The dimension is the largest one the
-  data-parallel size divides (the first of equal ones; never the layer axis of a parameter the
-  model gathers inside its layer loop); a parameter with none cannot be zero3.
+  gathered before use and its gradient reduce-scattered. The dimension is the first (major-most)
+  one the data-parallel size divides, never the layer axis of a parameter the model gathers
+  inside its layer loop: collectives along the major dimension need no transposes, which XLA
+  otherwise materialises at full size (measured, a 1024x4096 kernel on 8 devices: temp 18 MiB
+  sharded along dimension 0, 32 MiB along dimension 1). A parameter with no such dimension
+  cannot be zero3.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from ._describe import ParamInfo
 
 STRATEGIES = ("replicate", "zero3")
+DEFAULT_SPLITS = (1, 2, 4, 8)  # operator-splitting slice counts the search considers
 
 
 def check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:
@@ -30,6 +34,21 @@ def check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:
         raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {list(STRATEGIES)}" if unknown
                          else f"strategies is empty; choose from {list(STRATEGIES)}")
     return strategies
+
+
+def check_splits(splits) -> tuple[int, ...]:
+    """Validate candidate split counts: positive integers, e.g. ``(1, 2, 4, 8)``; ``(1,)`` = off."""
+    if isinstance(splits, int):
+        splits = (splits,)
+    try:
+        values = tuple(sorted(set(splits)))
+    except TypeError:
+        raise ValueError(f"splits must be a list of positive integers such as [1, 2, 4, 8], got {splits!r}") from None
+    bad = [k for k in values if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+    if bad or not values:
+        raise ValueError(f"splits must be positive integers such as [1, 2, 4, 8] ([1] disables "
+                         f"splitting), got {list(splits)!r}")
+    return values
 
 
 def data_axes(mesh, axis: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -50,11 +69,11 @@ def axes_size(mesh, axes: Sequence[str]) -> int:
 
 
 def shard_dim(info: ParamInfo, n: int, first: int = 0) -> int | None:
-    """The dimension zero3 splits (largest divisible by n, from dimension ``first`` on), or None."""
+    """The dimension zero3 splits (the first divisible by n, from dimension ``first`` on), or None."""
     dims = [d for d, size in enumerate(info.shape) if d >= first and size % n == 0 and size >= n]
     if n <= 1 or not dims:
         return None
-    return max(dims, key=lambda d: (info.shape[d], -d))
+    return dims[0]
 
 
 def axis_entry(axes: Sequence[str]):

@@ -26,7 +26,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._describe import path_name, strip_boxes
-from ._gather import gathering
+from ._context import StepContext, active
+from ._gather import wrap_tree
+from ._split import intercepting
 from ._strategies import axes_size, axis_entry, sharded_dim
 
 
@@ -84,23 +86,27 @@ def check_batch(batch, n: int):
                 f"use a batch size that is a multiple of {n}")
 
 
-def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict):
+def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, split_specs: dict):
     """The per-device body: gather, loss and gradient, gradient collectives, optimizer update.
 
     ``loop_specs`` (path -> (dim, axes)) are the zero3 parameters the model gathers itself, one
-    layer at a time (``osdp_jax.gather_params``); every other zero3 parameter is gathered here.
+    layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path -> (dim, axes, k, n, in loop)) the
+    kernels its dense layers gather one slice at a time (``osdp_jax.split``); every other zero3
+    parameter is gathered here.
     """
     def body(params, opt_state, batch):
 
         def gather_here(path, w, s):
-            if sharded_dim(s) is None or path_name(path) in loop_specs:
+            name = path_name(path)
+            if sharded_dim(s) is None or name in loop_specs or name in split_specs:
                 return w
             return gather(w, sharded_dim(s), axes)
 
         def loss_of(p):
-            used = jax.tree_util.tree_map_with_path(gather_here, p, param_specs)
-            with gathering(loop_specs):
-                return loss_fn(strip_boxes(used), batch)
+            used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs))
+            ctx = StepContext(loop_specs, split_specs)
+            with active(ctx), intercepting():
+                return loss_fn(wrap_tree(ctx, used), batch)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
         grads = jax.tree.map(
@@ -119,10 +125,20 @@ def _lay_out(x, sharding: NamedSharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset()):
-    """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(), splits=None):
+    """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
+
+    ``splits`` maps the paths of split kernels to their slice count k (> 1; zero3 only).
+    """
+    splits = {p: k for p, k in (splits or {}).items() if k > 1}
+    for path in splits:
+        if sharded_dim(specs_by_path[path]) is None:
+            raise ValueError(f"parameter {path!r} is split but not sharded: only zero3 kernels can be split")
+    n = axes_size(mesh, axes)
+    split_specs = {path: (sharded_dim(specs_by_path[path]), tuple(axes), k, n, path in in_loop)
+                   for path, k in splits.items()}
     loop_specs = {path: (sharded_dim(specs_by_path[path]), tuple(axes)) for path in in_loop
-                  if sharded_dim(specs_by_path[path]) is not None}
+                  if sharded_dim(specs_by_path[path]) is not None and path not in splits}
 
     def step(params, opt_state, batch):
         n = axes_size(mesh, axes)
@@ -134,7 +150,7 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         args = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch),
                             in_specs)
         mapped = jax.shard_map(
-            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs), mesh=mesh,
+            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, split_specs), mesh=mesh,
             in_specs=in_specs, out_specs=(p_specs, o_specs, P()), check_vma=False)
         return mapped(*args)
     return step
@@ -152,7 +168,8 @@ def make_train_step(loss_fn, optimizer, plan, mesh):
       plan: the :class:`osdp_jax.Plan` the params were sharded with.
       mesh: the mesh the plan was made for.
     """
-    step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path, plan.in_loop)
+    step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path, plan.in_loop,
+                      plan.splits_by_path)
     return jax.jit(step, donate_argnums=(0, 1))
 
 

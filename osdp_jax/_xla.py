@@ -39,6 +39,37 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def _computations(hlo_text: str) -> dict[str, str]:
+    """HLO module text -> {computation name: its text}."""
+    comps, name, lines = {}, None, []
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if name is None and head:
+            name, lines = head.group(1), []
+        elif name is not None and line.startswith("}"):
+            comps[name] = "\n".join(lines)
+            name = None
+        elif name is not None:
+            lines.append(line)
+    return comps
+
+
+def collectives_by_place(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Collectives counted separately ``"in_loop"`` (inside any while body, run once per
+    iteration) and ``"outside"`` (run once per step)."""
+    comps = _computations(hlo_text)
+    refs = {n: set(re.findall(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)", t)) for n, t in comps.items()}
+    inside = {b for t in comps.values() for b in re.findall(r"body=%?([\w.\-]+)", t)}
+    todo = list(inside)
+    while todo:
+        for r in refs.get(todo.pop(), ()):
+            if r not in inside:
+                inside.add(r)
+                todo.append(r)
+    return {"in_loop": count_collectives("\n".join(t for n, t in comps.items() if n in inside)),
+            "outside": count_collectives("\n".join(t for n, t in comps.items() if n not in inside))}
+
+
 def profile_compiled(compiled) -> StepProfile:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -49,13 +80,18 @@ def profile_compiled(compiled) -> StepProfile:
                        float((cost or {}).get("flops", 0.0)), count_collectives(compiled.as_text()))
 
 
-def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset()):
-    """Lower and compile the train step for ``specs_by_path`` without allocating anything."""
+def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset(),
+                 splits=None):
+    """Lower and compile the train step for ``specs_by_path`` (and ``splits``, path -> k)
+    without allocating anything."""
     args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
-    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop), donate_argnums=(0, 1))
+    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits),
+                   donate_argnums=(0, 1))
     return step.lower(*args).compile()
 
 
-def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset()) -> StepProfile:
-    """XLA's per-device figures for the step under the given per-parameter specs."""
-    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop))
+def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset(),
+                 splits=None) -> StepProfile:
+    """XLA's per-device figures for the step under the given per-parameter specs and splits."""
+    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path,
+                                         in_loop, splits))

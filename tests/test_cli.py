@@ -37,6 +37,16 @@ def test_plan_only_paper_scale(tmp_path, capsys):
     assert "gpt2" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_opt_30b_8l_at_16gb_splits_operators(tmp_path):
+    """The paper's OPT-30B-shape setting: only splitting lets a larger batch fit 16 GB (~1 min)."""
+    out = tmp_path / "plan"
+    assert cli.main(["plan", "experiments/paper/opt_30b_8l.toml", "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert any(p["split"] > 1 for p in plan["params"])
+    assert plan["xla_peak_bytes"] <= plan["budget_bytes"] == 16 * 10**9
+
+
 def test_bad_config_is_one_clear_line(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\npreset = "gpt2-mini"\n[optim]\nlearning_rat = 0.1\n')

@@ -10,7 +10,7 @@ import osdp_jax
 import toy
 from models.common import Block, TransformerConfig
 from osdp_jax._gather import discover
-from osdp_jax._strategies import spec_for
+from osdp_jax._strategies import sharded_dim, spec_for
 
 
 def reference_block(p, x, cfg):
@@ -51,19 +51,26 @@ def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, pres
     tokens = jax.random.randint(jax.random.key(3), (16, seq), 0, cfg.vocab_size)
     batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones((16, seq))}
     infos = osdp_jax.describe(params)
-    in_loop = discover(loss_fn, params, batch)
+    in_loop, splittable = discover(loss_fn, params, batch)
     assert any(p.startswith(("blocks/layers", "layers/layers", "encoder/layers")) for p in in_loop)
-    # a hand-made mixed plan: every other shardable parameter zero3
+    # every dense kernel of a block, attention projections included, can be split
+    assert {p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for p in splittable if p in in_loop} >= {
+        "fc1/kernel", "fc2/kernel"}
+    assert {p.rsplit("/", 1)[-1] for p in splittable} >= {"qkv_kernel", "out_kernel"}
+    # a hand-made mixed plan: splittable kernels zero3 in 2 slices, every other other
+    # shardable parameter zero3
     pps, k = [], 0
     for info in infos:
         spec = spec_for(info, "zero3", ("data",), 8, info.path in in_loop)
-        zero3 = spec is not None and k % 2 == 0
-        k += spec is not None
+        split = 2 if info.path in splittable and spec and info.shape[sharded_dim(spec)] % 16 == 0 else 1
+        zero3 = spec is not None and (k % 2 == 0 or split > 1)
+        k += spec is not None and split == 1
         pps.append(osdp_jax.ParamPlan(info.path, info.shape, str(info.dtype), "zero3" if zero3 else "replicate",
                                       spec if zero3 else jax.sharding.PartitionSpec(), info.nbytes,
-                                      info.path in in_loop))
+                                      info.path in in_loop, split))
     plan = osdp_jax.Plan(tuple(pps), ("data",), 8, 16, 10**9, 0.0, None, None)
     assert {pp.strategy for pp in pps if pp.in_loop} == {"replicate", "zero3"}
+    assert plan.splits_by_path, "the plan splits at least one kernel"
     opt = optax.adam(1e-2)
     sharded = osdp_jax.shard(params, mesh, plan)
     state = osdp_jax.init_opt_state(opt, sharded, plan, mesh)

@@ -30,7 +30,7 @@ def main():
     s = runner.setup(cfg)
     params, batch = s.abstract_params(), s.abstract_batch(args.batch)
     infos = osdp_jax.describe(params)
-    loop = frozenset(discover(s.loss_fn, params, batch))
+    loop = frozenset(discover(s.loss_fn, params, batch)[0])
     axes = ("data",)
 
     def specs(zero3):

@@ -1,0 +1,106 @@
+"""What an osdp-jax train step tells the model while it is traced.
+
+The step runs the user's unmodified ``loss_fn``. Two hooks inside the model consult this context:
+``osdp_jax.gather_params`` (ZeRO-3 weights gathered one layer at a time inside a layer loop) and
+``osdp_jax.split.dense`` with the Flax ``Dense``/``Linear`` interception (operator splitting).
+Split kernels reach the model as a :class:`SplitKernel`: this device's ZeRO-3 shard carrying the
+full kernel's shape, so Flax's parameter shape checks pass and any use other than a split dense
+layer fails loudly. During discovery the context recognises parameters by object identity
+(``id``) of the traced array, which is how an unmodified layer's kernel is matched to its path.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSpec:
+    """How one split kernel runs: its local array is sharded along ``dim`` over ``axes``, in ``k`` slices."""
+
+    dim: int
+    axes: tuple[str, ...]
+    k: int
+
+
+class SplitKernel:
+    """A split kernel as the model sees it: this device's shard, with the whole kernel's shape.
+
+    Only ``osdp_jax.split.dense`` (and the intercepted Flax ``Dense``/``Linear``) can use it.
+    """
+
+    def __init__(self, shard, shape: tuple[int, ...], spec: SplitSpec, path: str):
+        self.shard, self.shape, self.spec, self.path = shard, tuple(shape), spec, path
+
+    @property
+    def dtype(self):
+        return self.shard.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, key):  # nnx reads a variable's value as ``var[...]``
+        if key is Ellipsis:
+            return self
+        self._misuse()
+
+    def __jax_array__(self):
+        self._misuse()
+
+    def __array__(self, *_, **__):
+        self._misuse()
+
+    def _misuse(self):
+        raise TypeError(
+            f"parameter {self.path!r} is split by the plan (operator splitting, k={self.spec.k}): the "
+            f"model may only use it through osdp_jax.split.dense or a flax Dense/nnx Linear layer. "
+            f"Plan with splits=(1,) (or exclude this kernel) if it is used in other ways")
+
+    def __repr__(self):
+        return f"SplitKernel({self.path!r}, shape={self.shape}, k={self.spec.k})"
+
+
+@dataclasses.dataclass
+class StepContext:
+    gathered: dict  # path -> (sharded dim of the stacked parameter, mesh axes): gathered per layer
+    split: dict = dataclasses.field(default_factory=dict)  # path -> (sharded dim, axes, k, devices, stacked)
+    kernels: dict = dataclasses.field(default_factory=dict)  # discovery: id(array) -> (array, path)
+    recording: bool = False  # discovery: record which parameters reach the hooks, change nothing
+    recorded_loop: set = dataclasses.field(default_factory=set)
+    recorded_split: set = dataclasses.field(default_factory=set)
+
+    def wrap(self, array, path: str, stacked: bool):
+        """What the model gets for parameter ``path`` (or one layer's slice of it, ``stacked``):
+        a :class:`SplitKernel` if the plan splits it, else ``array``; recorded when discovering."""
+        if self.recording:
+            # keep the array itself: its id must not be reused while the context lives
+            self.kernels[id(array)] = (array, path)
+            return array
+        if path not in self.split or self.split[path][4] != stacked:
+            return array  # a stacked kernel is wrapped per layer, inside the loop
+        dim, axes, k, n, _ = self.split[path]
+        dim -= 1 if stacked else 0  # a layer's slice has lost the leading layer axis
+        shape = list(array.shape)
+        shape[dim] *= n
+        return SplitKernel(array, tuple(shape), SplitSpec(dim, tuple(axes), k), path)
+
+    def lookup(self, array) -> str | None:
+        """The path of an array recorded during discovery, or None."""
+        hit = self.kernels.get(id(array))
+        return None if hit is None or hit[0] is not array else hit[1]
+
+
+ACTIVE: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("osdp_jax_step", default=None)
+
+
+@contextlib.contextmanager
+def active(ctx: StepContext):
+    token = ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        ACTIVE.reset(token)
