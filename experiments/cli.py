@@ -4,6 +4,8 @@
     osdp-jax plan CONFIG [--out DIR] [...]
     osdp-jax compare CONFIG [--out DIR] [...]
     osdp-jax profile [--out profile.json] [--devices N] [--mesh-shape 8] [--axes data]
+    osdp-jax export RUN [--out params.npz] [--step N]
+    osdp-jax launch --processes N CONFIG [train flags ...]
 """
 from __future__ import annotations
 
@@ -31,9 +33,27 @@ def _parser():
                        help="simulate this many CPU devices when the platform has one (default: the mesh size)")
         if name == "train":
             c.add_argument("--steps", type=int, default=None, help="training steps (train.steps)")
+            c.add_argument("--checkpoint-every", type=int, default=None,
+                           help="save a checkpoint every N steps, and at the end (train.checkpoint_every)")
+            c.add_argument("--resume", action="store_true",
+                           help="continue from the newest complete checkpoint in --out (any mesh or plan)")
+            c.add_argument("--init-params", default=None,
+                           help="start from parameters exported with 'osdp-jax export' (.npz)")
+            c.add_argument("--coordinator", default=None,
+                           help="HOST:PORT of process 0, for training across processes (jax.distributed)")
+            c.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+            c.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
         if name == "compare":
             c.add_argument("--measure-steps", type=int, default=8,
                            help="real steps per method to measure samples/s (trainable models only)")
+    lau = sub.add_parser("launch", help="train with N local processes on loopback (jax.distributed)",
+                         epilog="Any train flag may follow, e.g. --steps 20 --out runs/x --plan.batch_sizes=32")
+    lau.add_argument("config", help="experiment TOML file")
+    lau.add_argument("--processes", type=int, required=True, help="number of processes")
+    exp = sub.add_parser("export", help="write a run's trained parameters to a plain .npz")
+    exp.add_argument("run", help="a run directory written by 'osdp-jax train' (holds checkpoints/)")
+    exp.add_argument("--out", default=None, help="the .npz to write (default RUN/params.npz)")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     prof = sub.add_parser("profile", help="measure this mesh's collectives and matmul throughput")
     prof.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
     prof.add_argument("--devices", type=int, default=None, help="simulate this many CPU devices")
@@ -64,8 +84,57 @@ def _profile(args) -> int:
     save(hw, args.out, raw)
     print(f"measured {hw.name}: {hw.flops / 1e9:.1f} GFLOP/s per device, collective bandwidth "
           f"{hw.bandwidth / 1e9:.2f} GB/s, latency {hw.latency * 1e6:.0f} us")
+    for axis, link in hw.links.items():
+        print(f"  axis {axis!r}: {link['bandwidth'] / 1e9:.2f} GB/s, latency {link['latency'] * 1e6:.0f} us")
     print(f"wrote {args.out}; use it with --plan.hardware={args.out}")
     return 0
+
+
+def _export(args) -> int:
+    """Restore a run's checkpoint onto one device and write its parameters as .npz."""
+    run = pathlib.Path(args.run)
+    if not (run / "config.json").is_file() or not (run / "checkpoints").is_dir():
+        print(f"osdp-jax: error: {run} is not a run directory (needs config.json and checkpoints/ "
+              f"written by 'osdp-jax train')", file=sys.stderr)
+        return 2
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from . import runner
+    from .checkpoint import Checkpoints, export_params, fingerprint
+    from .config import ConfigError, from_dict
+    try:
+        cfg = from_dict(json.loads((run / "config.json").read_text()))
+        cfg = _one_device(cfg)
+        s = runner.setup(cfg)
+    except ConfigError as e:
+        print(f"osdp-jax: {e}", file=sys.stderr)
+        return 2
+    ckpt = Checkpoints(run / "checkpoints")
+    try:
+        step = args.step if args.step is not None else ckpt.latest()
+        if step is None or step not in ckpt.steps():
+            print(f"osdp-jax: error: no complete checkpoint {'' if step is None else step} in "
+                  f"{run / 'checkpoints'} (has {ckpt.steps()})", file=sys.stderr)
+            return 2
+        one = SingleDeviceSharding(jax.devices()[0])
+        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
+        abstract = s.abstract_params()
+        params, _, _ = ckpt.restore(step, jax.tree.map(place, abstract),
+                                    jax.tree.map(place, jax.eval_shape(s.optimizer.init, abstract)),
+                                    fingerprint(abstract))
+    finally:
+        ckpt.close()
+    path = export_params(params, pathlib.Path(args.out or run / "params.npz"))
+    print(f"wrote {path} (checkpoint step {step}); load it with numpy.load, or train from it with "
+          f"--init-params {path}")
+    return 0
+
+
+def _one_device(cfg):
+    """A config for one device: export needs no mesh."""
+    import dataclasses
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, shape=(1,) * len(cfg.mesh.shape)))
 
 
 def _split_overrides(argv):
@@ -100,16 +169,43 @@ def _simulate_devices(n: int):
         pass
 
 
+def _launch(argv) -> int:
+    args, extra = _parser().parse_known_args(argv)
+    if args.processes < 1:
+        print("osdp-jax: error: --processes must be >= 1", file=sys.stderr)
+        return 2
+    from .config import ConfigError, load
+    rest, overrides = _split_overrides(extra)
+    try:
+        cfg = load(args.config, overrides)
+    except ConfigError as e:
+        print(f"osdp-jax: {e}", file=sys.stderr)
+        return 2
+    n = math.prod(cfg.mesh.shape)
+    if n % args.processes:
+        print(f"osdp-jax: error: the mesh's {n} devices do not divide into {args.processes} processes; "
+              f"change --processes or mesh.shape", file=sys.stderr)
+        return 2
+    from .distributed import launch
+    return launch(args.config, args.processes, n // args.processes, extra)
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:
+        return _launch(argv)
     args_list, overrides = _split_overrides(argv)
     args = _parser().parse_args(args_list)
     if args.command == "profile":
         return _profile(args)
+    if args.command == "export":
+        return _export(args)
     if args.budget is not None:
         overrides["plan.budget"] = args.budget
     if getattr(args, "steps", None) is not None:
         overrides["train.steps"] = str(args.steps)
+    if getattr(args, "checkpoint_every", None) is not None:
+        overrides["train.checkpoint_every"] = str(args.checkpoint_every)
 
     from .config import ConfigError, load
     try:
@@ -117,10 +213,24 @@ def main(argv=None):
     except ConfigError as e:
         print(f"osdp-jax: {e}", file=sys.stderr)
         return 2
-    _simulate_devices(args.devices or math.prod(cfg.mesh.shape))
+    processes = getattr(args, "num_processes", None)
+    if (args.command == "train") and ((args.coordinator is None) != (processes is None)
+                                      or (processes is None) != (args.process_id is None)):
+        print("osdp-jax: error: --coordinator, --num-processes and --process-id go together",
+              file=sys.stderr)
+        return 2
+    _simulate_devices(args.devices or math.prod(cfg.mesh.shape) // (processes or 1))
+    if processes:
+        from .distributed import DistributedError, initialize
+        try:
+            initialize(args.coordinator, processes, args.process_id)
+        except DistributedError as e:
+            print(f"osdp-jax: error: {e}", file=sys.stderr)
+            return 2
 
     import osdp_jax
     from . import runner
+    from .checkpoint import CheckpointError
     out = pathlib.Path(args.out or pathlib.Path("runs") / pathlib.Path(args.config).stem / args.command)
     try:
         s = runner.setup(cfg)
@@ -131,16 +241,18 @@ def main(argv=None):
             print(plan.summary())
             print(f"\nwrote {out / 'plan.json'}")
         elif args.command == "train":
+            runner.check_run_dir(s, out, args.resume)  # before planning: refuse early, write nothing
             plan = runner.make_plan(s)
             print(plan.summary(), flush=True)
-            summary = runner.train(s, out, plan=plan)
+            summary = runner.train(s, out, plan=plan, resume=args.resume,
+                                   init_params=pathlib.Path(args.init_params) if args.init_params else None)
             print(json.dumps(summary, indent=1))
             print(f"wrote {out}/plan.json, metrics.jsonl, summary.json")
         else:
             runner.compare(s, out, measure_steps=args.measure_steps)
             print((out / "comparison.md").read_text())
             print(f"wrote {out}/comparison.json, comparison.md, comparison.png")
-    except (ConfigError, osdp_jax.InfeasibleBudgetError, FloatingPointError) as e:
+    except (ConfigError, CheckpointError, osdp_jax.InfeasibleBudgetError, FloatingPointError) as e:
         print(f"osdp-jax: error: {e}", file=sys.stderr)
         return 2
     return 0

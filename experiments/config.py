@@ -40,8 +40,9 @@ class MeshConfig:
 class PlanConfig:
     budget: str = "1GiB"  # per-device memory budget, e.g. "64MiB", "8GB"
     batch_sizes: tuple[int, ...] = (32,)  # global batch sizes to sweep
-    strategies: tuple[str, ...] = ("replicate", "zero3")
+    strategies: tuple[str, ...] = ("replicate", "zero3", "hsdp")  # hsdp needs 2+ mesh axes
     splits: tuple[int, ...] = (1, 2, 4, 8)  # operator-splitting slice counts to consider; [1] = off
+    measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
 
 
@@ -59,6 +60,8 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     log_every: int = 10  # progress-bar refresh, steps
+    checkpoint_every: int = 0  # save a checkpoint every N steps (0: only at the end)
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +133,10 @@ def _check(cfg: ExperimentConfig):
         _fail("optim.learning_rate", "must be positive")
     if cfg.train.steps < 0:
         _fail("train.steps", "must be >= 0")
+    if cfg.train.checkpoint_every < 0:
+        _fail("train.checkpoint_every", "must be >= 0 (0: only at the end)")
+    if cfg.train.keep_checkpoints < 1:
+        _fail("train.keep_checkpoints", "must be >= 1")
 
 
 def _coerce(where: str, value, typ):

@@ -47,10 +47,10 @@ class Addition:
             return (x[:, None] // 10 ** np.arange(k - 1, -1, -1)) % 10
         return np.concatenate([digits_of(a, n), digits_of(b, n), digits_of(c, n + 1)[:, ::-1]], axis=1)
 
-    def sequences(self, step: int, batch_size: int):
+    def sequences(self, step: int, batch_size: int, rows: slice = slice(None)):
         train, _ = self._split()
-        seq = self.encode(train[_rng(self.seed, step).integers(0, len(train), batch_size)])
-        weights = np.zeros((batch_size, seq.shape[1] - 1), np.float32)
+        seq = self.encode(train[_rng(self.seed, step).integers(0, len(train), batch_size)[rows]])
+        weights = np.zeros((seq.shape[0], seq.shape[1] - 1), np.float32)
         weights[:, 2 * self.digits - 1:] = 1.0  # predict only the sum's digits
         return seq, weights
 
@@ -78,11 +78,11 @@ class Chars:
         object.__setattr__(self, "_ids", _lookup(text, chars))
         object.__setattr__(self, "vocab_size", len(chars))
 
-    def sequences(self, step: int, batch_size: int):
+    def sequences(self, step: int, batch_size: int, rows: slice = slice(None)):
         ids = self._ids
-        starts = _rng(self.seed, step).integers(0, len(ids) - self.seq_len - 1, batch_size)
+        starts = _rng(self.seed, step).integers(0, len(ids) - self.seq_len - 1, batch_size)[rows]
         seq = np.stack([ids[s:s + self.seq_len + 1] for s in starts])
-        return seq, np.ones((batch_size, self.seq_len), np.float32)
+        return seq, np.ones((len(starts), self.seq_len), np.float32)
 
 
 def _lookup(text: str, chars: list[str]) -> np.ndarray:
@@ -98,14 +98,20 @@ class RandomTokens:
     seq_len: int
     seed: int
 
-    def sequences(self, step: int, batch_size: int):
-        seq = _rng(self.seed, step).integers(0, self.vocab_size, (batch_size, self.seq_len + 1), dtype=np.int32)
-        return seq, np.ones((batch_size, self.seq_len), np.float32)
+    def sequences(self, step: int, batch_size: int, rows: slice = slice(None)):
+        # the tokens are the random draw itself: drawn for the whole batch, then cut to ``rows``
+        seq = _rng(self.seed, step).integers(0, self.vocab_size, (batch_size, self.seq_len + 1), dtype=np.int32)[rows]
+        return seq, np.ones((seq.shape[0], self.seq_len), np.float32)
 
 
-def make_batch(task, objective: str, step: int, batch_size: int, vocab_size: int, seed: int) -> dict:
-    """The model-ready global batch for ``step``: int32 inputs/targets, float32 weights (B, T)."""
-    seq, weights = task.sequences(step, batch_size)
+def make_batch(task, objective: str, step: int, batch_size: int, vocab_size: int, seed: int,
+               rows: slice = slice(None)) -> dict:
+    """The model-ready global batch for ``step``: int32 inputs/targets, float32 weights (B, T).
+
+    ``rows``: only these rows of it (a process's share; the addition and character tasks draw
+    just the global batch's indices and build only these rows).
+    """
+    seq, weights = task.sequences(step, batch_size, rows)
     seq = seq.astype(np.int32)
     if objective == "causal":
         return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "weights": weights}
@@ -114,7 +120,7 @@ def make_batch(task, objective: str, step: int, batch_size: int, vocab_size: int
         b, t = tokens.shape
         k = max(1, round(MLM_FRACTION * t))
         rng = _rng(seed, step, stream=1)
-        masked = np.argsort(rng.random((b, t)), axis=1)[:, :k]
+        masked = np.argsort(rng.random((batch_size, t))[rows], axis=1)[:, :k]
         w = np.zeros((b, t), np.float32)
         np.put_along_axis(w, masked, 1.0, axis=1)
         inputs = np.where(w > 0, vocab_size - 1, tokens).astype(np.int32)  # last id is [MASK]

@@ -40,9 +40,9 @@ class Setup:
     def budget(self) -> int:
         return osdp_jax.parse_bytes(self.cfg.plan.budget)
 
-    def batch(self, step: int, batch_size: int) -> dict:
+    def batch(self, step: int, batch_size: int, rows: slice = slice(None)) -> dict:
         return data_lib.make_batch(self.task, self.objective, step, batch_size,
-                                   self.model_cfg.vocab_size, self.cfg.train.seed)
+                                   self.model_cfg.vocab_size, self.cfg.train.seed, rows)
 
     def abstract_batch(self, batch_size: int) -> dict:
         return {"inputs": jax.ShapeDtypeStruct((batch_size, self.seq_len), jnp.int32),
@@ -115,7 +115,7 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True) -> osdp_jax.P
         s.abstract_params(), s.mesh, budget=p.budget, loss_fn=s.loss_fn,
         batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes, optimizer=s.optimizer,
         hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
-        verify=verify)
+        verify=verify, measure_time=p.measure_time)
 
 
 def addition_accuracy(s: Setup, params) -> float:
@@ -145,46 +145,140 @@ def _write_json(path: pathlib.Path, obj):
     tmp.replace(path)
 
 
-def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progress=True,
-          write=True) -> dict:
-    """Plan (unless given), train ``train.steps`` steps, and write plan/metrics/summary to ``out``."""
-    from tqdm.auto import tqdm
-    cfg = s.cfg
-    plan = plan or make_plan(s)
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(plan.to_json())
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    params = osdp_jax.shard(models.init_params(s.module, s.seq_len, cfg.train.seed), s.mesh, plan)
-    opt_state = osdp_jax.init_opt_state(s.optimizer, params, plan, s.mesh)
-    step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
-    b = plan.batch_size
-    # compile once, read XLA's per-device figures, and train with that executable
-    compiled = step_fn.lower(params, opt_state, s.batch(0, b)).compile()
-    xla = osdp_jax.profile_compiled(compiled)
-    losses, times = [], []
-    metrics = (out / "metrics.jsonl").open("w") if write else None
-    bar = tqdm(range(cfg.train.steps), desc="train", disable=not progress, mininterval=0.5)
+def check_run_dir(s: Setup, out: pathlib.Path, resume: bool) -> int | None:
+    """The newest complete checkpoint in ``out`` to resume from (None: start afresh), or a
+    ``CheckpointError`` before anything is planned or written: checkpoints there but no
+    ``resume``, or checkpoints of another model."""
+    from .checkpoint import CheckpointError, Checkpoints, fingerprint
+    if not (out / "checkpoints").is_dir():
+        return None
+    ckpt = Checkpoints(out / "checkpoints")
     try:
-        for step in bar:
-            batch = s.batch(step, b)
-            t0 = time.perf_counter()
-            params, opt_state, loss = compiled(params, opt_state, batch)
-            loss = float(loss)
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss became {loss} at step {step}; lower optim.learning_rate "
-                                         f"or set optim.grad_clip")
-            losses.append(loss)
-            times.append(dt)
-            if metrics:
-                metrics.write(json.dumps({"step": step, "loss": loss, "seconds": dt,
-                                          "samples_per_second": b / dt}) + "\n")
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-                bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{b / dt:.0f}")
+        latest = ckpt.latest()
+        if latest is None:
+            return None
+        if not resume:
+            raise CheckpointError(f"{out} already holds checkpoints (newest: step {latest}); pass --resume "
+                                  f"to continue that run, or choose another --out")
+        ckpt.check_model(latest, fingerprint(s.abstract_params()))
+        return latest
     finally:
-        if metrics:
-            metrics.close()
+        ckpt.close()
+
+
+def _params_finite(params) -> bool:
+    return bool(jax.jit(lambda t: jnp.all(jnp.array([jnp.isfinite(x).all() for x in jax.tree.leaves(t)])))(params))
+
+
+def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progress=True,
+          write=True, resume: bool = False, init_params: pathlib.Path | None = None,
+          on_step=None) -> dict:
+    """Plan (unless given), train ``train.steps`` steps, and write plan/metrics/summary to ``out``.
+
+    With ``write``, checkpoints go to ``out/checkpoints`` every ``train.checkpoint_every`` steps
+    and at the end. ``resume`` continues from the newest complete one (on any mesh or plan);
+    without it, a directory that already holds checkpoints is refused, so nothing is
+    overwritten. ``init_params``: start from an exported ``.npz`` instead of a random init.
+    ``on_step(step)`` is called after each completed step (tests use it to kill a run).
+    """
+    from tqdm.auto import tqdm
+
+    from .checkpoint import Checkpoints, fingerprint, import_params
+    cfg = s.cfg
+    check_run_dir(s, out, resume) if write else None
+    plan = plan or make_plan(s)
+    _same_on_every_process(plan)
+    b = plan.batch_size
+    abstract = s.abstract_params()
+    ckpt = Checkpoints(out / "checkpoints", keep=cfg.train.keep_checkpoints) if write else None
+    lead = jax.process_index() == 0  # with several processes, one writes the files
+    batch_of = _batches(s, plan.axes, b)
+    start, meta = 0, None
+    try:
+        latest = ckpt.latest() if ckpt else None
+        if write and lead:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "plan.json").write_text(plan.to_json())
+            (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
+        from osdp_jax._train import abstract_args
+        p_target, o_target, _ = abstract_args(s.optimizer, abstract, s.abstract_batch(b), s.mesh,
+                                              plan.axes, plan.specs_by_path)
+        if latest is not None:
+            # reshard on restore: the targets carry this run's mesh and plan
+            params, opt_state, meta = ckpt.restore(latest, p_target, o_target, fingerprint(abstract))
+            start = meta["step"]
+            if progress and lead:
+                print(f"resuming from {ckpt.directory / str(latest)} (step {start})", flush=True)
+        else:
+            if resume and progress and lead:
+                print(f"no complete checkpoint in {out / 'checkpoints'}: starting from step 0", flush=True)
+            host = (import_params(init_params, abstract) if init_params
+                    else models.init_params(s.module, s.seq_len, cfg.train.seed))
+            params = osdp_jax.shard(host, s.mesh, plan)
+            opt_state = osdp_jax.init_opt_state(s.optimizer, params, plan, s.mesh)
+        # compile once, read XLA's per-device figures, and train with that executable
+        compiled = step_fn.lower(params, opt_state, batch_of(0)).compile()
+        xla = osdp_jax.profile_compiled(compiled)
+
+        def diverged(what: str) -> FloatingPointError:
+            last = ckpt.latest() if ckpt else None
+            kept = (f"the last good checkpoint, step {last}, is kept in {ckpt.directory}" if last is not None
+                    else "no checkpoint was written")
+            return FloatingPointError(f"training diverged: {what}; {kept}. Lower optim.learning_rate or "
+                                      f"set optim.grad_clip, then --resume")
+
+        def save(step):
+            if ckpt is None or step in ckpt.steps():
+                return
+            if not _params_finite(params):
+                raise diverged(f"parameters became non-finite by step {step} (not saved)")
+            ckpt.save(step, params, opt_state, {
+                "model": cfg.model.preset, "fingerprint": fingerprint(abstract), "plan": json.loads(plan.to_json()),
+                "config": to_dict(cfg), "data": {"task": cfg.data.task, "seed": cfg.train.seed, "next_step": step},
+                "rng": {"seed": cfg.train.seed}})
+
+        # metrics of the steps before ``start`` (a killed run may have logged steps past its checkpoint)
+        old = []
+        if write and lead and start and (out / "metrics.jsonl").exists():
+            old = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] < start]
+        losses, times = [r["loss"] for r in old], []
+        metrics = None
+        if write and lead:
+            metrics = (out / "metrics.jsonl").open("w")
+            metrics.writelines(json.dumps(r) + "\n" for r in old)
+        bar = tqdm(range(start, cfg.train.steps), desc="train", disable=not (progress and lead), mininterval=0.5,
+                   initial=start, total=cfg.train.steps)
+        try:
+            for step in bar:
+                batch = batch_of(step)
+                t0 = time.perf_counter()
+                params, opt_state, loss = compiled(params, opt_state, batch)
+                loss = float(loss)
+                dt = time.perf_counter() - t0
+                if not math.isfinite(loss):
+                    raise diverged(f"loss became {loss} at step {step}")
+                losses.append(loss)
+                times.append(dt)
+                if metrics:
+                    metrics.write(json.dumps({"step": step, "loss": loss, "seconds": dt,
+                                              "samples_per_second": b / dt}) + "\n")
+                    metrics.flush()
+                every = cfg.train.checkpoint_every
+                if every and (step + 1) % every == 0:
+                    save(step + 1)
+                if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+                    bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{b / dt:.0f}")
+                if on_step:
+                    on_step(step)
+        finally:
+            if metrics:
+                metrics.close()
+        save(cfg.train.steps)
+        saved = ckpt.steps() if ckpt else []
+    finally:
+        if ckpt:
+            ckpt.close()
     steady = times[1:] or times
     summary = {
         "model": cfg.model.preset, "task": cfg.data.task, "steps": len(losses),
@@ -193,88 +287,52 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
         "xla_peak_bytes": xla.peak_bytes, "budget_bytes": plan.budget_bytes,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_samples_per_second": plan.predicted_samples_per_second,
-        "batch_size": b, "strategies": plan.counts(), "devices": plan.num_devices,
+        "batch_size": b, "strategies": plan.counts(), "splits": plan.splits_by_path,
+        "devices": plan.num_devices, "resumed_from_step": start if meta else None,
+        "checkpoints": saved,
     }
+    summary["processes"] = jax.process_count()
     if cfg.data.task == "addition":
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            params = multihost_utils.process_allgather(params, tiled=True)
         summary["accuracy"] = addition_accuracy(s, params)
-    if write:
+    if write and lead:
         _write_json(out / "summary.json", summary)
     return summary
 
 
-def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) -> list[dict]:
-    """DDP, FSDP and OSDP under one budget, each at its own best batch size."""
-    rows = []
-    trainable = s.n_params <= TRAINABLE_PARAMS
-    # the baselines do not split operators; OSDP takes the config's split counts
-    for name, strategies, splits in (("DDP", ("replicate",), (1,)), ("FSDP", ("zero3",), (1,)),
-                                     ("OSDP", ("replicate", "zero3"), None)):
-        row = {"method": name, "strategies": list(strategies)}
-        try:
-            plan = make_plan(s, strategies=strategies, splits=splits)
-        except osdp_jax.InfeasibleBudgetError as e:
-            row.update(fits=False, min_bytes=e.min_bytes)
-            rows.append(row)
-            continue
-        row.update(fits=True, batch_size=plan.batch_size, predicted_peak_bytes=plan.predicted_peak_bytes,
-                   xla_peak_bytes=plan.xla_peak_bytes,
-                   predicted_samples_per_second=plan.predicted_samples_per_second,
-                   counts=plan.counts(), splits=plan.splits_by_path)
-        if trainable and measure_steps > 0:
-            sub = dataclasses.replace(s, cfg=dataclasses.replace(
-                s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
-            result = train(sub, out, plan=plan, progress=progress, write=False)
-            row["measured_samples_per_second"] = result["samples_per_second"]
-        rows.append(row)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "comparison.json", {"model": s.cfg.model.preset, "budget_bytes": s.budget,
-                                          "devices": math.prod(s.cfg.mesh.shape),
-                                          "hardware": s.cfg.plan.hardware or "default",
-                                          "rows": rows})
-    (out / "comparison.md").write_text(comparison_markdown(s, rows))
-    plot_comparison(s, rows, out / "comparison.png")
-    return rows
+def _same_on_every_process(plan: osdp_jax.Plan) -> None:
+    """Every process plans on its own; check that they agree (identical XLA figures)."""
+    if jax.process_count() == 1:
+        return
+    import hashlib
+
+    from jax.experimental import multihost_utils
+    decisions = {k: v for k, v in json.loads(plan.to_json()).items() if k != "search_seconds"}
+    digest = np.frombuffer(hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).digest(),
+                           dtype=np.uint32)
+    multihost_utils.assert_equal(digest, "the processes made different plans")
 
 
-def comparison_markdown(s: Setup, rows) -> str:
-    f = osdp_jax.format_bytes
-    lines = [f"# {s.cfg.model.preset}: DDP vs FSDP vs OSDP at {f(s.budget)} per device",
-             "", f"{math.prod(s.cfg.mesh.shape)} devices, hardware profile "
-             f"{s.cfg.plan.hardware or 'default for the mesh'}, batch sizes {list(s.cfg.plan.batch_sizes)}. "
-             "Predicted figures come from the cost model; XLA peak is measured by compiling the step; "
-             "measured samples/s is a median over real steps on this machine.", "",
-             "| method | fits | batch | strategies | split kernels | predicted peak | XLA peak | predicted samples/s | measured samples/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if not r["fits"]:
-            lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - | - |")
-            continue
-        meas = r.get("measured_samples_per_second")
-        splits = ", ".join(f"{p.rsplit('/', 1)[0]} k={k}" for p, k in r.get("splits", {}).items()) or "-"
-        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {f(r['predicted_peak_bytes'])} "
-                     f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
-                     f"| {f'{meas:.1f}' if meas else 'not measured'} |")
-    return "\n".join(lines) + "\n"
+def _batches(s: Setup, axes, b: int):
+    """``step -> batch`` for the step. With several processes, each builds only the rows its
+    own devices hold and places them (``jax.make_array_from_process_local_data``)."""
+    if jax.process_count() == 1:
+        return lambda step: s.batch(step, b)
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
+    from osdp_jax._strategies import axis_entry
+    sharding = NamedSharding(s.mesh, P(axis_entry(axes)))
+    spans = sorted({idx[0].indices(b)[:2] for idx in sharding.addressable_devices_indices_map((b,)).values()})
+    rows = slice(spans[0][0], spans[-1][1])
+    if sum(hi - lo for lo, hi in spans) != rows.stop - rows.start:
+        raise ValueError(f"process {jax.process_index()}'s devices hold rows {spans} of the batch, not one "
+                         f"contiguous block; order the mesh's devices by process")
 
-def plot_comparison(s: Setup, rows, path: pathlib.Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if not r["fits"]:
-            continue
-        x = r["xla_peak_bytes"] / 2**20
-        ax.scatter(x, r["predicted_samples_per_second"], marker="o", label=f"{r['method']} predicted")
-        if r.get("measured_samples_per_second"):
-            ax.scatter(x, r["measured_samples_per_second"], marker="x", label=f"{r['method']} measured")
-        ax.annotate(r["method"], (x, r["predicted_samples_per_second"]))
-    ax.axvline(s.budget / 2**20, color="gray", linestyle="--", label="budget")
-    ax.set_xlabel("per-device peak memory, XLA (MiB)")
-    ax.set_ylabel("samples / s")
-    ax.set_title(f"{s.cfg.model.preset}, {math.prod(s.cfg.mesh.shape)} devices")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    def batch_of(step):
+        local = s.batch(step, b, rows)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x, (b, *x.shape[1:])),
+                            local)
+    return batch_of

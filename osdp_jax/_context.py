@@ -18,11 +18,26 @@ import jax
 
 
 @dataclasses.dataclass(frozen=True)
+class Collective:
+    """How a sharded parameter is gathered inside the step.
+
+    All-gathered over mesh ``axes`` in one ring, or with ``two_stage`` one axis at a time, the
+    last (inner, intra-node) first; its gradient is reduce-scattered back the reverse way and
+    then summed over ``reduce_axes`` (``hsdp``: the axes it is replicated over).
+    """
+
+    axes: tuple[str, ...]
+    reduce_axes: tuple[str, ...] = ()
+    two_stage: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitSpec:
-    """How one split kernel runs: its local array is sharded along ``dim`` over ``axes``, in ``k`` slices."""
+    """How one split kernel runs: its local array is sharded along ``dim``, gathered as ``how``,
+    in ``k`` slices."""
 
     dim: int
-    axes: tuple[str, ...]
+    how: Collective
     k: int
 
 
@@ -66,8 +81,9 @@ class SplitKernel:
 
 @dataclasses.dataclass
 class StepContext:
-    gathered: dict  # path -> (sharded dim of the stacked parameter, mesh axes): gathered per layer
-    split: dict = dataclasses.field(default_factory=dict)  # path -> (sharded dim, axes, k, devices, stacked)
+    gathered: dict  # path -> (sharded dim of the stacked parameter, Collective): gathered per layer
+    # path -> (sharded dim, Collective, k, devices in the gather, stacked): split kernels
+    split: dict = dataclasses.field(default_factory=dict)
     kernels: dict = dataclasses.field(default_factory=dict)  # discovery: id(array) -> (array, path)
     recording: bool = False  # discovery: record which parameters reach the hooks, change nothing
     recorded_loop: set = dataclasses.field(default_factory=set)
@@ -82,11 +98,11 @@ class StepContext:
             return array
         if path not in self.split or self.split[path][4] != stacked:
             return array  # a stacked kernel is wrapped per layer, inside the loop
-        dim, axes, k, n, _ = self.split[path]
+        dim, how, k, n, _ = self.split[path]
         dim -= 1 if stacked else 0  # a layer's slice has lost the leading layer axis
         shape = list(array.shape)
         shape[dim] *= n
-        return SplitKernel(array, tuple(shape), SplitSpec(dim, tuple(axes), k), path)
+        return SplitKernel(array, tuple(shape), SplitSpec(dim, how, k), path)
 
     def lookup(self, array) -> str | None:
         """The path of an array recorded during discovery, or None."""

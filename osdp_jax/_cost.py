@@ -8,6 +8,7 @@ Memory held for the whole step (the step's arguments; outputs alias them by dona
 
     replicate:  p_i + o_i
     zero3:      (p_i + o_i) / N
+    hsdp:       (p_i + o_i) / N_inner       (sharded inside a node, replicated across nodes)
 
 Transient memory (XLA's temp) is not a sum of per-parameter terms: it is set by which buffers XLA
 keeps alive together, and that differs by where a zero3 weight is gathered.
@@ -41,7 +42,8 @@ per-layer kernel at its largest k.
 
 The max makes the search a two-pool knapsack (``_search.solve_pools``), solved exactly.
 
-Time per step: compute + communication, not overlapped::
+Time per step: compute + communication, not overlapped, each optionally scaled by factors fitted
+on timed runs of the probe steps on the mesh (``plan(measure_time=True)``; ``fit_time``)::
 
     compute    = FLOPs per device (XLA cost_analysis) / Hardware.flops
     replicate: all-reduce(p_i)                                  = a + 2(N-1)/N p_i / W
@@ -50,12 +52,20 @@ Time per step: compute + communication, not overlapped::
                L_i (2 all-gather + reduce-scatter)(p_i / L_i)   = 3 L_i a + 3(N-1)/N p_i / W
     zero3 split in k slices (each re-gathered in the backward pass), L_i = 1 if per step:
                L_i k (2 all-gather + reduce-scatter)(p_i / (L_i k))
+    hsdp:      the same collectives over the inner axis (N_inner devices, its link), plus per
+               gather an all-reduce of the gradient shard (V / N_inner) over the outer axes
+    zero3 in two stages (2-D meshes): each all-gather of V is one over the inner axis of
+               V / N_outer bytes, then one over the outer axes of V; chosen per parameter when
+               the hardware's per-axis links make it faster than one flat ring
 
 (one all-gather for a per-step parameter: the gathered weight is kept for the backward pass).
+With several data-parallel axes, a collective runs at the slowest link it crosses
+(``Hardware.link``).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -86,6 +96,7 @@ class CostTables:
     pools: np.ndarray
     base_mem: float
     base_time: float
+    two_stage: np.ndarray | None = None  # [i, s]: zero3 collectives in two stages (faster there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +107,8 @@ class Calibration:
     kappa: float = 0.0  # temp bytes saved per byte of per-layer parameter made zero3
     zeta: float = 0.0  # temp bytes per byte of per-step parameter made zero3 (the Z pool)
     sigma: float = SIGMA_ESTIMATE  # temp bytes saved per byte of (1 - 1/k) p / L split per layer
+    compute_scale: float = 1.0  # measured / modelled compute seconds (timed probes; 1 if not timed)
+    comm_scale: float = 1.0  # measured / modelled collective seconds
 
 
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
@@ -141,23 +154,73 @@ def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
     return per_leaf, total - int(per_leaf.sum())
 
 
-def comm_seconds(nbytes: float, strategy: str, hw: Hardware, n: int, layers: int = 0, split: int = 1) -> float:
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The data-parallel mesh axes and their sizes; the last axis is the inner (intra-node) one."""
+
+    axes: tuple[str, ...] | None
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def flat(cls, n: int) -> "Topology":
+        return cls(None, (n,))
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def inner(self) -> int:
+        return self.sizes[-1]
+
+    def over(self, which: str) -> tuple[tuple[str, ...] | None, int]:
+        """``(axes, devices)`` of "all" the data axes, the "inner" one, or the "outer" ones."""
+        if self.axes is None:
+            return None, self.n
+        if which == "all":
+            return self.axes, self.n
+        if which == "inner":
+            return self.axes[-1:], self.inner
+        return self.axes[:-1], self.n // self.inner
+
+
+def _gather_seconds(hw: Hardware, topo: Topology, nbytes: float, strategy: str, two_stage: bool) -> float:
+    """One all-gather (= one reduce-scatter) of a ``nbytes`` weight, sharded by ``strategy``."""
+    if strategy == "hsdp":
+        return hw.all_gather(nbytes, topo.inner, topo.over("inner")[0])
+    if two_stage and topo.axes is not None and len(topo.axes) > 1:
+        outer_axes, outer_n = topo.over("outer")
+        return (hw.all_gather(nbytes / outer_n, topo.inner, topo.over("inner")[0])
+                + hw.all_gather(nbytes, outer_n, outer_axes))
+    axes, n = topo.over("all")
+    return hw.all_gather(nbytes, n, axes)
+
+
+def comm_seconds(nbytes: float, strategy: str, hw: Hardware, topo: Topology | int, layers: int = 0,
+                 split: int = 1, two_stage: bool = False) -> float:
     """Seconds of collectives per step for one parameter of ``nbytes`` (formulas in the module doc).
 
     ``layers`` > 0: a stacked parameter gathered per layer inside the model's loop, so each of
     its collectives runs ``layers`` times on 1/layers of the bytes, and the backward pass gathers
     again (rematerialisation): 2 all-gathers and 1 reduce-scatter per layer. ``split`` = k > 1:
-    the same per slice, k times as many collectives on 1/k of the bytes.
+    the same per slice, k times as many collectives on 1/k of the bytes. ``hsdp`` gathers inside
+    the inner axis and all-reduces its gradient shard (1/inner of the bytes) over the outer
+    axes; ``two_stage`` zero3 gathers the inner axis first (1/outer of the bytes), then the outer.
     """
+    topo = Topology.flat(topo) if isinstance(topo, int) else topo
     if strategy == "replicate":
-        return hw.all_reduce(nbytes, n)
-    if strategy == "zero3" and (layers or split > 1):
-        times = max(layers, 1) * split
-        per = nbytes / times
-        return times * (2 * hw.all_gather(per, n) + hw.reduce_scatter(per, n))
-    if strategy == "zero3":
-        return GATHERS_PER_STEP * hw.all_gather(nbytes, n) + hw.reduce_scatter(nbytes, n)
-    raise ValueError(f"unknown strategy {strategy!r}")
+        axes, n = topo.over("all")
+        return hw.all_reduce(nbytes, n, axes)
+    if strategy not in ("zero3", "hsdp"):
+        raise ValueError(f"unknown strategy {strategy!r}")
+    times = max(layers, 1) * split
+    gathers = 2 if (layers or split > 1) else GATHERS_PER_STEP
+    per = nbytes / times
+    one = (gathers + 1) * _gather_seconds(hw, topo, per, strategy, two_stage)
+    if strategy == "hsdp":
+        outer_axes, outer_n = topo.over("outer")
+        one += hw.all_reduce(per / topo.inner, outer_n, outer_axes)
+    return times * one
 
 
 def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
@@ -170,7 +233,24 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
                         lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
                         p0.flops + w * (p1.flops - p0.flops), p0.collectives)
     lerp = lambda a, b: a + w * (b - a)  # noqa: E731
-    return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma))
+    return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma),
+                       lerp(c0.compute_scale, c1.compute_scale), lerp(c0.comm_scale, c1.comm_scale))
+
+
+def fit_time(measured: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(compute_scale, comm_scale)`` from timed probes, each ``(seconds, compute_s, comm_s)``
+    with the modelled compute and collective seconds: least squares of
+    ``seconds = compute_scale compute_s + comm_scale comm_s``, both scales positive; with one
+    probe, or when the probes cannot tell the two apart, one common scale.
+    """
+    t = np.array([m[0] for m in measured])
+    a = np.array([[m[1], m[2]] for m in measured])
+    if len(measured) >= 2 and np.linalg.matrix_rank(a / np.maximum(a.max(axis=0), 1e-30)) == 2:
+        (cf, cc), *_ = np.linalg.lstsq(a, t, rcond=None)
+        if cf > 0 and cc > 0:
+            return float(cf), float(cc)
+    scale = float(np.median(t / np.maximum(a.sum(axis=1), 1e-30)))
+    return scale, scale
 
 
 RHO = 1.0  # combined all-reduce buffer per replicated gradient byte
@@ -178,7 +258,7 @@ ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
 
 
 def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
-                opt_bytes: np.ndarray, other_opt_bytes: int, n: int, hw: Hardware,
+                opt_bytes: np.ndarray, other_opt_bytes: int, topo: Topology | int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None,
                 in_loop: frozenset = frozenset()) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
@@ -188,13 +268,15 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
       available: ``(n_params, n_columns)`` bool, whether parameter i can take column c.
       columns: the choices, each a strategy name or ``(strategy, k)`` with k the split count.
       opt_bytes: optimizer-state bytes per parameter; ``other_opt_bytes`` the rest of the state.
-      n: data-parallel devices.
+      topo: the data-parallel axes and sizes (or the device count, for one flat axis).
       hw: hardware for the time model.
       batch_bytes: bytes of the *global* batch (each device holds 1/n).
       calibration: XLA figures for this batch size, or None for the uncalibrated estimate.
       in_loop: paths of stacked parameters the model gathers per layer; their gathered bytes
         count 1/layers (one layer's slice is alive at a time).
     """
+    topo = Topology.flat(topo) if isinstance(topo, int) else topo
+    n = topo.n
     p = np.array([i.nbytes for i in infos], dtype=np.float64)
     layers = np.array([i.shape[0] if i.path in in_loop else 0 for i in infos])
     loop = layers > 0
@@ -213,6 +295,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     mem = np.full((len(infos), len(columns)), np.inf)
     pools = np.zeros((len(infos), len(columns), 2))
     time = np.full_like(mem, np.inf)
+    two_stage = np.zeros(mem.shape, dtype=bool)
     for s, (name, k) in enumerate(columns):
         ok = available[:, s]
         top, per_layer = ok & ~loop, ok & loop
@@ -221,14 +304,19 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             mem[top, s] += p[top]  # R_T: the replicated gradient, held to the update
             pools[top, s, 0] = RHO * p[top]
         else:
-            mem[ok, s] = ((p + o) / n)[ok]
+            mem[ok, s] = ((p + o) / (n if name == "zero3" else topo.inner))[ok]
             mem[per_layer, s] -= cal.kappa * p[per_layer]
             pools[top, s, 1] = cal.zeta * p[top] / k
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]
-        time[ok, s] = [comm_seconds(b, name, hw, n, int(L), k) for b, L in zip(p[ok], layers[ok])]
+        for i in np.flatnonzero(ok):
+            flat = comm_seconds(p[i], name, hw, topo, int(layers[i]), k)
+            staged = (comm_seconds(p[i], name, hw, topo, int(layers[i]), k, two_stage=True)
+                      if name == "zero3" and len(topo.sizes) > 1 else np.inf)
+            two_stage[i, s] = staged < flat
+            time[i, s] = cal.comm_scale * min(flat, staged)
     # the search wants non-negative costs: move each row's smallest entry into the base
     shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
     mem -= shift[:, None]
     return CostTables(columns, time, mem, pools, float(base_mem + shift.sum()),
-                      r.flops / hw.flops if calibration is not None else 0.0)
+                      cal.compute_scale * r.flops / hw.flops if calibration is not None else 0.0, two_stage)

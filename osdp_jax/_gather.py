@@ -47,8 +47,8 @@ def gather_params(tree, prefix: str = ""):
         if name in ctx.split:
             return ctx.wrap(x, name, stacked=True)
         if name in ctx.gathered:
-            dim, axes = ctx.gathered[name]
-            return gather(x, dim - 1, axes)  # the slice has lost the leading layer axis
+            dim, how = ctx.gathered[name]
+            return gather(x, dim - 1, how)  # the slice has lost the leading layer axis
         return x
 
     return jax.tree_util.tree_map_with_path(one, tree)

@@ -6,6 +6,10 @@ per-collective latency a (s), for a message of V bytes (the full, unsharded size
     all-gather(V)     = a + (N-1)/N * V / W
     reduce-scatter(V) = a + (N-1)/N * V / W
     all-reduce(V)     = a + 2(N-1)/N * V / W
+
+On a mesh with several data-parallel axes (e.g. ``("replica", "data")`` = nodes x devices per
+node), ``links`` may give each axis its own W and a; a collective over several axes runs at the
+slowest of their bandwidths and the largest of their latencies (a flat ring crosses every link).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ class Hardware:
       bandwidth: per-device collective (bus) bandwidth, bytes/s.
       latency: fixed cost of one collective, seconds.
       sources: where each number comes from, keyed by field name.
+      links: per mesh axis, ``{"bandwidth": bytes/s, "latency": s}``, for axes whose link differs
+        from the default (e.g. the inter-node axis of a 2-D mesh).
     """
 
     name: str
@@ -36,6 +42,7 @@ class Hardware:
     bandwidth: float
     latency: float
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    links: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for field in ("memory_bytes", "flops", "bandwidth"):
@@ -43,19 +50,33 @@ class Hardware:
                 raise ValueError(f"Hardware.{field} must be positive, got {getattr(self, field)!r}")
         if self.latency < 0:
             raise ValueError(f"Hardware.latency must be >= 0, got {self.latency!r}")
+        for axis, link in self.links.items():
+            if set(link) != {"bandwidth", "latency"} or not link["bandwidth"] > 0 or link["latency"] < 0:
+                raise ValueError(f"Hardware.links[{axis!r}] must be {{'bandwidth': > 0, 'latency': >= 0}}, "
+                                 f"got {dict(link)!r}")
 
-    def all_gather(self, nbytes: float, n: int) -> float:
+    def link(self, axes=None) -> tuple[float, float]:
+        """``(bandwidth bytes/s, latency s)`` of a collective over mesh ``axes`` (None: default)."""
+        if not axes:
+            return self.bandwidth, self.latency
+        links = [self.links.get(a, {"bandwidth": self.bandwidth, "latency": self.latency}) for a in axes]
+        return min(x["bandwidth"] for x in links), max(x["latency"] for x in links)
+
+    def all_gather(self, nbytes: float, n: int, axes=None) -> float:
         """Seconds to all-gather a V-byte array over n devices: a + (n-1)/n * V / W."""
-        return 0.0 if n <= 1 else self.latency + (n - 1) / n * nbytes / self.bandwidth
+        w, a = self.link(axes)
+        return 0.0 if n <= 1 else a + (n - 1) / n * nbytes / w
 
     reduce_scatter = all_gather  # same volume and latency in the ring model
 
-    def all_reduce(self, nbytes: float, n: int) -> float:
+    def all_reduce(self, nbytes: float, n: int, axes=None) -> float:
         """Seconds to all-reduce a V-byte array over n devices: a + 2(n-1)/n * V / W."""
-        return 0.0 if n <= 1 else self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+        w, a = self.link(axes)
+        return 0.0 if n <= 1 else a + 2 * (n - 1) / n * nbytes / w
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"sources": dict(self.sources)}
+        return dataclasses.asdict(self) | {"sources": dict(self.sources),
+                                           "links": {k: dict(v) for k, v in self.links.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Hardware":
@@ -97,6 +118,14 @@ PRESETS: dict[str, Hardware] = {
             "latency": "assumed 10 us per collective over NVLink",
         }),
 }
+# The paper's TITAN RTX nodes, two of them joined by 10 Gb Ethernet: for meshes with axes
+# ("replica", "data") = (nodes, GPUs per node), as in OSDP's group-sharding experiment.
+PRESETS["titan-rtx-pcie3-2nodes-10gbe"] = dataclasses.replace(
+    PRESETS["titan-rtx-pcie3"], name="titan-rtx-pcie3-2nodes-10gbe",
+    links={"replica": {"bandwidth": 1.25e9, "latency": 50e-6}},
+    sources={**PRESETS["titan-rtx-pcie3"].sources,
+             "links.replica.bandwidth": "IEEE 802.3ae 10 Gb Ethernet: 10 Gbit/s = 1.25 GB/s per direction",
+             "links.replica.latency": "assumed 50 us per collective across nodes over TCP"})
 
 
 def _cpu_preset(n_local: int) -> Hardware:

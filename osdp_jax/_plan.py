@@ -38,6 +38,7 @@ class ParamPlan:
     nbytes: int  # whole parameter, bytes
     in_loop: bool = False  # gathered per layer inside the model's loop (osdp_jax.gather_params)
     split: int = 1  # operator splitting: slices its dense layer gathers one at a time (zero3 only)
+    two_stage: bool = False  # gathered one mesh axis at a time, intra-node first (2-D meshes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,11 @@ class Plan:
         return {pp.path: pp.spec for pp in self.params}
 
     @property
+    def two_stage(self) -> frozenset[str]:
+        """Paths of the parameters gathered in two stages (inner mesh axis, then outer)."""
+        return frozenset(pp.path for pp in self.params if pp.two_stage)
+
+    @property
     def in_loop(self) -> frozenset[str]:
         """Paths of the parameters the model gathers inside its layer loop."""
         return frozenset(pp.path for pp in self.params if pp.in_loop)
@@ -112,12 +118,14 @@ class Plan:
         """A table: one row per group of parameters with the same shape, dtype and strategy."""
         groups: dict[tuple, list[ParamPlan]] = {}
         for pp in self.params:
-            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec, pp.in_loop, pp.split), []).append(pp)
+            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec, pp.in_loop, pp.split, pp.two_stage),
+                              []).append(pp)
         rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
                  "bytes each")]
-        for (shape, dtype, strategy, spec, _, split), pps in groups.items():
+        for (shape, dtype, strategy, spec, _, split, _), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
             where = "-" if strategy == "replicate" else ("per layer" if pps[0].in_loop else "per step")
+            where += ", 2-stage" if pps[0].two_stage else ""
             rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
                          where, str(split) if split > 1 else "-", format_bytes(pps[0].nbytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -149,7 +157,7 @@ class Plan:
         d["format"] = PLAN_FORMAT
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
-                        "in_loop": pp.in_loop, "split": pp.split}
+                        "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -160,7 +168,7 @@ class Plan:
             raise ValueError(f"not an osdp-jax plan (format {PLAN_FORMAT}) JSON")
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
-                                 p.get("split", 1))
+                                 p.get("split", 1), p.get("two_stage", False))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

@@ -1,6 +1,7 @@
 """``plan()``: describe -> cost -> search over batch sizes -> compile-verify -> ``Plan``."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time as _time
@@ -8,16 +9,18 @@ import time as _time
 import jax
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
-from ._cost import cost_tables, fit, interpolate, optimizer_bytes
+from ._cost import Topology, comm_seconds, cost_tables, fit, fit_time, interpolate, optimizer_bytes
 from ._describe import describe, unboxed_treedef
 from ._gather import discover
-from ._hardware import resolve_hardware
+from ._hardware import default_hardware, resolve_hardware
 from ._plan import ParamPlan, Plan
 from ._search import InfeasibleBudgetError, solve_pools
 from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes, sharded_dim, spec_for
 from ._units import format_bytes, parse_bytes
-from ._xla import profile_step
+from ._train import abstract_args
+from ._xla import compile_step, profile_compiled, profile_step, time_compiled
 
 log = logging.getLogger("osdp_jax")
 
@@ -48,7 +51,8 @@ def _progress(iterable, total, desc):
 
 
 def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=None, optimizer=None,
-         hardware=None, strategies=None, axis=None, splits=DEFAULT_SPLITS, verify: bool = True) -> Plan:
+         hardware=None, strategies=None, axis=None, splits=DEFAULT_SPLITS, verify: bool = True,
+         measure_time: bool = False) -> Plan:
     """The highest-throughput plan whose whole training step fits ``budget`` per device.
 
     Args:
@@ -69,6 +73,10 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         ``osdp_jax.split``); ``(1,)`` disables splitting. A kernel takes k only when the device
         count times k divides its sharded dimension.
       verify: compile the chosen plan and re-plan if XLA's peak exceeds the budget.
+      measure_time: also *run* the probe steps that fit the devices' memory on ``mesh`` (zeros as
+        data, a few timed steps each) and scale the modelled compute and collective seconds to match
+        (``_cost.fit_time``). Use it when ``mesh`` is the hardware the plan is for; it allocates
+        the probes' memory on the devices.
 
     Raises:
       InfeasibleBudgetError: no plan fits; ``.min_bytes`` is the smallest budget that would.
@@ -107,45 +115,65 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
         splittable = frozenset(p for p in split_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
 
-    def split_counts(info) -> list[int]:
-        """Split counts k > 1 a zero3 kernel can take: n k must divide its sharded dimension."""
-        spec = spec_for(info, "zero3", axes, n, info.path in in_loop)
+    topo = Topology(axes, tuple(mesh.shape[a] for a in axes))
+    device_bytes = default_hardware(mesh).memory_bytes  # what the mesh's devices really hold
+    inner = topo.inner
+
+    def spec_of(info, strategy):
+        return spec_for(info, strategy, axes, n, info.path in in_loop, inner)
+
+    def split_counts(info, strategy) -> list[int]:
+        """Split counts k > 1 a sharded kernel can take: its gather group times k must divide
+        its sharded dimension."""
+        spec = spec_of(info, strategy)
         if info.path not in splittable or spec is None:
             return []
-        size = info.shape[sharded_dim(spec)]
-        return [k for k in splits if k > 1 and size % (n * k) == 0]
+        size, group = info.shape[sharded_dim(spec)], (n if strategy == "zero3" else inner)
+        return [k for k in splits if k > 1 and size % (group * k) == 0]
 
     # Columns are (strategy, k) choices. A parameter that none of the allowed strategies can
     # store (a 0-d scalar, or no dimension the device count divides, under zero3) is
     # replicated, the one layout that always applies.
     names = strategies if "replicate" in strategies else (*strategies, "replicate")
-    columns = [(s, 1) for s in names] + [("zero3", k) for k in splits if k > 1 and "zero3" in strategies]
-    ks = {i.path: split_counts(i) for i in infos}
+    sharded = [s for s in ("zero3", "hsdp") if s in strategies]
+    columns = [(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1]
+    ks = {(i.path, s): split_counts(i, s) for i in infos for s in sharded}
     options = []
     for i in infos:
         row = []
         for s, k in columns:
-            spec = spec_for(i, s, axes, n, i.path in in_loop) if s in strategies else None
-            if s == "zero3" and k > 1 and k not in ks[i.path]:
+            spec = spec_of(i, s) if s in strategies else None
+            if s in sharded and k > 1 and k not in ks[i.path, s]:
                 spec = None
-            if s == "zero3" and k == 1 and 1 not in splits and ks[i.path]:
+            if s in sharded and k == 1 and 1 not in splits and ks[i.path, s]:
                 spec = None  # this kernel must split
             row.append(spec)
         options.append(row)
     for info, row in zip(infos, options):
         if all(o is None for o in row):
-            row[columns.index(("replicate", 1))] = spec_for(info, "replicate", axes, n)
+            row[columns.index(("replicate", 1))] = P()
             log.info("parameter %s %s cannot be stored as %s: replicated", info.path, info.shape,
                      "/".join(strategies))
     available = np.array([[o is not None for o in row] for row in options], dtype=bool)
 
     def specs(zero3_where):
-        return {i.path: (spec_for(i, "zero3", axes, n, i.path in in_loop) if zero3_where(i) else None)
-                or spec_for(i, "replicate", axes, n) for i in infos}
+        return {i.path: (spec_of(i, "zero3") if zero3_where(i) else None) or P() for i in infos}
 
-    def probe(size, zero3_where, split=None):
-        return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, size), mesh, axes,
-                            specs(zero3_where), in_loop, split)
+    def probe(size, zero3_where, split=None, timed=False):
+        """XLA's figures for one probe step, and its measured seconds when ``timed`` (and it fits)."""
+        sp, b = specs(zero3_where), _with_batch_size(batch, size)
+        compiled = compile_step(loss_fn, optimizer, abstract, b, mesh, axes, sp, in_loop, split)
+        prof = profile_compiled(compiled)
+        seconds = None
+        if timed and prof.peak_bytes <= device_bytes:  # it must fit the devices, not the budget
+            seconds = time_compiled(compiled, abstract_args(optimizer, abstract, b, mesh, axes, sp))
+        return prof, seconds
+
+    def modelled_comm(zero3_where) -> float:
+        """Modelled collective seconds of a probe's plan (no splits)."""
+        return sum(comm_seconds(i.nbytes, "zero3", hw, topo, i.shape[0] if i.path in in_loop else 0)
+                   if zero3_where(i) and spec_of(i, "zero3") is not None
+                   else comm_seconds(i.nbytes, "replicate", hw, topo) for i in infos)
 
     # Activations, temporaries and FLOPs grow linearly with the batch: compile the probes at the
     # smallest and largest batch size and interpolate between them (the chosen plan is compiled
@@ -154,29 +182,39 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     if loss_fn is not None:
         p = np.array([i.nbytes for i in infos], dtype=np.float64)
         loop = np.array([i.path in in_loop for i in infos])
-        can_shard = np.array([spec_for(i, "zero3", axes, n, i.path in in_loop) is not None for i in infos])
+        can_shard = np.array([spec_of(i, "zero3") is not None for i in infos])
         kinds = ["R", "Z"] + (["L"] if (can_shard & loop).any() and (can_shard & ~loop).any() else [])
         # every per-layer splittable kernel split at its largest k, the rest as in the Z probe
-        split_probe = {i.path: ks[i.path][-1] for i in infos if i.path in in_loop and ks[i.path]}
+        split_probe = {i.path: ks[i.path, "zero3"][-1] for i in infos
+                       if i.path in in_loop and ks.get((i.path, "zero3"))}
         split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in infos
                           if (k := split_probe.get(i.path)))
         kinds += ["S"] if split_probe else []
         where = {"R": lambda i: False, "Z": lambda i: True, "L": lambda i: i.path in in_loop,
                  "S": lambda i: True}
         jobs = [(k, b) for b in sorted({sizes[0], sizes[-1]}) for k in kinds]
-        got = {job: probe(job[1], where[job[0]], split_probe if job[0] == "S" else None)
-               for job in _progress(jobs, len(jobs), "osdp-jax: compiling probes")}
+        desc = "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes"
+        timed_runs = {job: probe(job[1], where[job[0]], split_probe if job[0] == "S" else None,
+                                 timed=measure_time and job[0] != "S")
+                      for job in _progress(jobs, len(jobs), desc)}
+        got = {job: prof for job, (prof, _) in timed_runs.items()}
         probed = {}
         for b in sorted({sizes[0], sizes[-1]}):
             # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
             per_layer = got.get(("L", b), got[("Z", b)] if not (can_shard & ~loop).any() else None)
             probed[b] = fit(got[("R", b)], per_layer, got[("Z", b)], p, can_shard, loop,
                             got.get(("S", b)), split_share)
+            runs = [(sec, got[(kind, b)].flops / hw.flops, modelled_comm(where[kind]))
+                    for kind in kinds if kind != "S" and (sec := timed_runs[(kind, b)][1]) is not None]
+            if runs:
+                cf, cc = fit_time(runs)
+                probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
+                log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(runs))
         calibrations = {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
 
     t_search = _time.perf_counter()
     # one set of cost tables per batch size, shared by every search below
-    tables_for = {size: cost_tables(infos, available, columns, opt_bytes, other_opt, n, hw,
+    tables_for = {size: cost_tables(infos, available, columns, opt_bytes, other_opt, topo, hw,
                                     _batch_bytes(_with_batch_size(batch, size)) if size is not None else 0,
                                     calibrations[size], in_loop)
                   for size in sizes}
@@ -221,7 +259,7 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     def build(best_, xla_peak=None):
         _, size, sol, tables, step_s, sps = best_
         pps = tuple(ParamPlan(i.path, i.shape, str(i.dtype), columns[c][0], options[k][c], i.nbytes,
-                              i.path in in_loop, columns[c][1])
+                              i.path in in_loop, columns[c][1], bool(tables.two_stage[k, c]))
                     for k, (i, c) in enumerate(zip(infos, sol.choices)))
         return Plan(pps, axes, n, size, budget_bytes, tables.base_mem + sol.mem,
                     step_s if size is not None else None, sps, xla_peak, hw.name, t_search,
@@ -235,7 +273,8 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     # the least memory, and if even that does not fit, its XLA peak is the minimum to report.
     def xla_peak(plan_):
         return profile_step(loss_fn, optimizer, abstract, _with_batch_size(batch, plan_.batch_size),
-                            mesh, axes, plan_.specs_by_path, in_loop, plan_.splits_by_path).peak_bytes
+                            mesh, axes, plan_.specs_by_path, in_loop, plan_.splits_by_path,
+                            plan_.two_stage).peak_bytes
 
     error = 0.0
     for attempt in range(MAX_VERIFY_TRIES):

@@ -8,8 +8,9 @@ Fits the ring model of ``_hardware.py`` to medians of timed runs::
 
 by least squares (relative error) over all three collectives and every message size V (bytes,
 full array), giving
-one latency a (s) and one bandwidth W (bytes/s); and FLOP/s from a per-device f32 matmul,
-2 n^3 / t.
+one latency a (s) and one bandwidth W (bytes/s); on a mesh with several data-parallel axes the
+same fit over each axis alone gives that axis's link (``Hardware.links``); and FLOP/s from a
+per-device f32 matmul, 2 n^3 / t.
 """
 from __future__ import annotations
 
@@ -97,12 +98,22 @@ def profile(mesh, axis=None, sizes=DEFAULT_SIZES, repeats: int = 5) -> tuple[Har
     base = default_hardware(mesh)
     when = datetime.date.today().isoformat()
     where = f"measured by osdp-jax profile on {when}, {n} {mesh.devices.flat[0].platform} devices"
+    # on a mesh with several data-parallel axes, each axis's link is measured on its own
+    links, per_axis = {}, {}
+    if len(axes) > 1:
+        for axis in axes:
+            per_axis[axis] = collective_times(mesh, (axis,), sizes, repeats)
+            a, w = fit_ring(per_axis[axis], mesh.shape[axis])
+            links[axis] = {"bandwidth": w, "latency": a}
     hw = dataclasses.replace(
         base, name=f"measured-{mesh.devices.flat[0].platform}", flops=flops, bandwidth=bandwidth,
-        latency=latency, sources={**base.sources,
-                                  "flops": f"{where}: f32 matmul 1024^3 per device, median of {repeats}",
-                                  "bandwidth": f"{where}: ring-model fit of all-gather/reduce-scatter/"
-                                               f"all-reduce over {len(sizes)} sizes",
-                                  "latency": f"{where}: intercept of the same fit"})
+        latency=latency, links=links,
+        sources={**base.sources,
+                 "flops": f"{where}: f32 matmul 1024^3 per device, median of {repeats}",
+                 "bandwidth": f"{where}: ring-model fit of all-gather/reduce-scatter/"
+                              f"all-reduce over {len(sizes)} sizes, over all data axes {list(axes)}",
+                 "latency": f"{where}: intercept of the same fit",
+                 **({"links": f"{where}: the same fit over each axis alone"} if links else {})})
     return hw, {"collectives": times, "fit": {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth},
-                "matmul_flops_per_s": flops}
+                "matmul_flops_per_s": flops, "per_axis": {a: {"collectives": per_axis[a], "fit": links[a]}
+                                                          for a in per_axis}}

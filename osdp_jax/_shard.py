@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from ._describe import describe
@@ -16,7 +17,8 @@ def shard(params, mesh, plan: Plan | None = None, **plan_kwargs):
     Without a plan, one is made with ``osdp_jax.plan(params, mesh, **plan_kwargs)``; without a
     budget either, for the devices' own memory. ``jax.ShapeDtypeStruct`` leaves come back as
     ``ShapeDtypeStruct`` carrying the planned sharding. Arrays are copied, never aliased, so
-    donating the result to a train step leaves the caller's arrays intact.
+    donating the result to a train step leaves the caller's arrays intact. On a mesh spanning
+    several processes (``jax.distributed``), every process passes the same values.
     """
     if plan is None:
         from ._planner import plan as make_plan
@@ -30,6 +32,11 @@ def shard(params, mesh, plan: Plan | None = None, **plan_kwargs):
         sharding = NamedSharding(mesh, spec)
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if not sharding.is_fully_addressable:
+            # a mesh over several processes (jax.distributed): every process holds the same
+            # whole value and places the shards of its own devices
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
         if isinstance(x, jax.Array):
             # device_put may hand back the caller's buffer as one of the shards (even with
             # may_alias=False in jax 0.10), and the train step donates it: copy first.

@@ -42,12 +42,13 @@ def matmul(x, shard, spec: SplitSpec, precision=None):
 
     Args:
       x: (..., D) inputs.
-      shard: this device's shard of W (D, F), split along ``spec.dim`` over ``spec.axes``.
-      spec: the split: sharded dimension (0: input features, 1: output features), axes, k.
+      shard: this device's shard of W (D, F), split along ``spec.dim`` over ``spec.how.axes``.
+      spec: the split: sharded dimension (0: input features, 1: output features), how the
+        shard is gathered (``Collective``), and k.
     """
     from ._train import gather
 
-    n = jax.lax.psum(1, spec.axes)
+    n = jax.lax.psum(1, spec.how.axes)
     k = spec.k
     if shard.ndim != 2 or spec.dim not in (0, 1):
         raise ValueError(f"a split kernel must be 2-D and sharded along dimension 0 or 1, got shape "
@@ -68,7 +69,7 @@ def matmul(x, shard, spec: SplitSpec, precision=None):
         def body(acc, jw):
             j, wj = jw
             xj = jax.lax.dynamic_index_in_dim(xr, j, axis=xr.ndim - 2, keepdims=False).reshape(*lead, n * piece)
-            return acc + jnp.matmul(xj, gather(wj, 0, spec.axes), precision=precision), None
+            return acc + jnp.matmul(xj, gather(wj, 0, spec.how), precision=precision), None
 
         dtype = jnp.result_type(x, shard)
         y, _ = jax.lax.scan(body, jnp.zeros((*lead, shard.shape[1]), dtype), (jnp.arange(k), ws))
@@ -81,7 +82,7 @@ def matmul(x, shard, spec: SplitSpec, precision=None):
 
     @jax.checkpoint
     def body(_, wj):
-        wt = gather(wj, 0, spec.axes)  # (n piece, D)
+        wt = gather(wj, 0, spec.how)  # (n piece, D)
         return None, jax.lax.dot_general(x, wt, (((x.ndim - 1,), (1,)), ((), ())), precision=precision)
 
     _, ys = jax.lax.scan(body, None, ws)  # (k, ..., n * piece)

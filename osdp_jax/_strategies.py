@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._describe import ParamInfo
 
-STRATEGIES = ("replicate", "zero3")
+STRATEGIES = ("replicate", "zero3", "hsdp")
 DEFAULT_SPLITS = (1, 2, 4, 8)  # operator-splitting slice counts the search considers
 
 
@@ -81,19 +81,24 @@ def axis_entry(axes: Sequence[str]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int, in_loop: bool = False) -> P | None:
+def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int, in_loop: bool = False,
+             inner: int | None = None) -> P | None:
     """The storage spec of ``info`` under ``strategy``, or None when it cannot be applied.
 
+    ``n`` is the data-parallel size; ``inner`` the size of the last data-parallel axis (hsdp).
     A parameter gathered inside a layer loop (``in_loop``) keeps its leading layer axis whole, so
     every layer's slice is spread over all devices.
     """
     if strategy == "replicate":
         return P()
-    if strategy == "zero3":
-        dim = shard_dim(info, n, first=1 if in_loop else 0)
+    if strategy in ("zero3", "hsdp"):
+        if strategy == "hsdp" and (len(axes) < 2 or inner is None):
+            return None
+        over, size = (axes, n) if strategy == "zero3" else ((axes[-1],), inner)
+        dim = shard_dim(info, size, first=1 if in_loop else 0)
         if dim is None:
             return None
-        return P(*([None] * dim), axis_entry(axes))
+        return P(*([None] * dim), axis_entry(over))
     raise ValueError(f"unknown strategy {strategy!r}; choose from {list(STRATEGIES)}")
 
 

@@ -26,31 +26,54 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._describe import path_name, strip_boxes
-from ._context import StepContext, active
+from ._context import Collective, StepContext, active
 from ._gather import wrap_tree
 from ._split import intercepting
 from ._strategies import axes_size, axis_entry, sharded_dim
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather(shard, dim: int, axes: tuple[str, ...]):
-    """All-gather a ZeRO-3 shard along ``dim`` over mesh ``axes`` (inside shard_map).
+def gather(shard, dim: int, how: Collective):
+    """All-gather a ZeRO-3 shard along ``dim`` as ``how`` says (inside shard_map).
 
-    Its gradient reduce-scatters the cotangent back to a shard: the sum over devices, so the
-    caller divides by the device count for a mean.
+    Its gradient reduce-scatters the cotangent back to a shard (and sums it over
+    ``how.reduce_axes``): the sum over devices, so the caller divides by the device count for a
+    mean.
     """
-    return jax.lax.all_gather(shard, axes, axis=dim, tiled=True)
+    if how.two_stage and len(how.axes) > 1:
+        for axis in reversed(how.axes):  # inner (intra-node) axis first
+            shard = jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+        return shard
+    return jax.lax.all_gather(shard, how.axes, axis=dim, tiled=True)
 
 
-def _gather_fwd(shard, dim, axes):
-    return gather(shard, dim, axes), None
+def _gather_fwd(shard, dim, how):
+    return gather(shard, dim, how), None
 
 
-def _gather_bwd(dim, axes, _, cotangent):
-    return (jax.lax.psum_scatter(cotangent, axes, scatter_dimension=dim, tiled=True),)
+def _gather_bwd(dim, how, _, cotangent):
+    if how.two_stage and len(how.axes) > 1:
+        for axis in how.axes:  # outer (inter-node) axis first: the reverse of the gather
+            cotangent = jax.lax.psum_scatter(cotangent, axis, scatter_dimension=dim, tiled=True)
+    else:
+        cotangent = jax.lax.psum_scatter(cotangent, how.axes, scatter_dimension=dim, tiled=True)
+    if how.reduce_axes:
+        cotangent = jax.lax.psum(cotangent, how.reduce_axes)
+    return (cotangent,)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def collective(spec: P, axes, two_stage: bool = False) -> Collective | None:
+    """How a parameter stored as ``spec`` is gathered: over the axes its sharded dimension names;
+    its gradient is also summed over the other data-parallel ``axes``. None if replicated."""
+    dim = sharded_dim(spec)
+    if dim is None:
+        return None
+    entry = spec[dim]
+    on = tuple(entry) if isinstance(entry, tuple) else (entry,)
+    return Collective(on, tuple(a for a in axes if a not in on), two_stage)
 
 
 def spec_tree(params, specs_by_path: dict[str, P]):
@@ -86,13 +109,15 @@ def check_batch(batch, n: int):
                 f"use a batch size that is a multiple of {n}")
 
 
-def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, split_specs: dict):
+def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, split_specs: dict,
+               two_stage=frozenset()):
     """The per-device body: gather, loss and gradient, gradient collectives, optimizer update.
 
-    ``loop_specs`` (path -> (dim, axes)) are the zero3 parameters the model gathers itself, one
-    layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path -> (dim, axes, k, n, in loop)) the
-    kernels its dense layers gather one slice at a time (``osdp_jax.split``); every other zero3
-    parameter is gathered here.
+    ``loop_specs`` (path -> (dim, Collective)) are the sharded parameters the model gathers
+    itself, one layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path -> (dim,
+    Collective, k, n, in loop)) the kernels its dense layers gather one slice at a time
+    (``osdp_jax.split``); every other sharded parameter is gathered here (in two stages if its
+    path is in ``two_stage``).
     """
     def body(params, opt_state, batch):
 
@@ -100,7 +125,7 @@ def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, 
             name = path_name(path)
             if sharded_dim(s) is None or name in loop_specs or name in split_specs:
                 return w
-            return gather(w, sharded_dim(s), axes)
+            return gather(w, sharded_dim(s), collective(s, axes, name in two_stage))
 
         def loss_of(p):
             used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs))
@@ -125,20 +150,22 @@ def _lay_out(x, sharding: NamedSharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(), splits=None):
+def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(), splits=None,
+               two_stage=frozenset()):
     """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
 
-    ``splits`` maps the paths of split kernels to their slice count k (> 1; zero3 only).
+    ``splits`` maps the paths of split kernels to their slice count k (> 1; sharded kernels
+    only); parameters in ``two_stage`` are gathered one mesh axis at a time.
     """
     splits = {p: k for p, k in (splits or {}).items() if k > 1}
     for path in splits:
         if sharded_dim(specs_by_path[path]) is None:
             raise ValueError(f"parameter {path!r} is split but not sharded: only zero3 kernels can be split")
-    n = axes_size(mesh, axes)
-    split_specs = {path: (sharded_dim(specs_by_path[path]), tuple(axes), k, n, path in in_loop)
-                   for path, k in splits.items()}
-    loop_specs = {path: (sharded_dim(specs_by_path[path]), tuple(axes)) for path in in_loop
-                  if sharded_dim(specs_by_path[path]) is not None and path not in splits}
+    how = {path: collective(spec, axes, path in two_stage) for path, spec in specs_by_path.items()}
+    split_specs = {path: (sharded_dim(specs_by_path[path]), how[path], k, axes_size(mesh, how[path].axes),
+                          path in in_loop) for path, k in splits.items()}
+    loop_specs = {path: (sharded_dim(specs_by_path[path]), how[path]) for path in in_loop
+                  if how[path] is not None and path not in splits}
 
     def step(params, opt_state, batch):
         n = axes_size(mesh, axes)
@@ -150,7 +177,7 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         args = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch),
                             in_specs)
         mapped = jax.shard_map(
-            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, split_specs), mesh=mesh,
+            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, split_specs, frozenset(two_stage)), mesh=mesh,
             in_specs=in_specs, out_specs=(p_specs, o_specs, P()), check_vma=False)
         return mapped(*args)
     return step
@@ -169,7 +196,7 @@ def make_train_step(loss_fn, optimizer, plan, mesh):
       mesh: the mesh the plan was made for.
     """
     step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path, plan.in_loop,
-                      plan.splits_by_path)
+                      plan.splits_by_path, plan.two_stage)
     return jax.jit(step, donate_argnums=(0, 1))
 
 

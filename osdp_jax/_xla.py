@@ -80,18 +80,44 @@ def profile_compiled(compiled) -> StepProfile:
                        float((cost or {}).get("flops", 0.0)), count_collectives(compiled.as_text()))
 
 
+def time_compiled(compiled, abstract, repeats: int = 5) -> float:
+    """Median seconds of ``repeats`` real runs of a compiled step (after one warm-up run).
+
+    ``abstract`` are its ``(params, opt_state, batch)`` as ``ShapeDtypeStruct`` with shardings;
+    they are allocated as zeros on the mesh (the step's arithmetic does not depend on the values).
+    Params and optimizer state are donated, so each run feeds the previous run's outputs.
+    """
+    import statistics
+    import time
+
+    import jax.numpy as jnp
+
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    params, state, batch = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract),
+                                   out_shardings=shardings)()
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        params, state, loss = compiled(params, state, batch)
+        jax.block_until_ready(loss)
+        if i:
+            times.append(time.perf_counter() - t0)
+    jax.block_until_ready((params, state))
+    return statistics.median(times)
+
+
 def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset(),
-                 splits=None):
-    """Lower and compile the train step for ``specs_by_path`` (and ``splits``, path -> k)
-    without allocating anything."""
+                 splits=None, two_stage=frozenset()):
+    """Lower and compile the train step for ``specs_by_path`` (and ``splits``, path -> k; and
+    the paths gathered ``two_stage``) without allocating anything."""
     args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
-    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits),
+    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits, two_stage),
                    donate_argnums=(0, 1))
     return step.lower(*args).compile()
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset(),
-                 splits=None) -> StepProfile:
+                 splits=None, two_stage=frozenset()) -> StepProfile:
     """XLA's per-device figures for the step under the given per-parameter specs and splits."""
     return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path,
-                                         in_loop, splits))
+                                         in_loop, splits, two_stage))

@@ -36,6 +36,8 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[mesh]\nshape = [2, 4]\naxes = ["data"]\n', r"mesh\.shape: \[2, 4\] and mesh\.axes"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nbatch_sizes = [12]\n', r"plan\.batch_sizes: 12 is not a positive multiple of the mesh's 8"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nbudget = "lots"\n', r"plan\.budget: invalid byte size"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nsplits = [0, 2]\n', r"plan\.splits: splits must be positive integers"),
+    ('[model]\npreset = "gpt2-mini"\n[train]\ncheckpoint_every = -1\n', r"train\.checkpoint_every: must be >= 0"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nstrategies = ["zero4"]\n', r"plan\.strategies: unknown strategy 'zero4'"),
     ('[model]\npreset = "gpt2-mini"\n[data]\ntask = "chars"\n', r"data\.path: task 'chars' needs"),
     ('[model]\npreset = "gpt2-mini"\n[model]\n', r"invalid TOML"),

@@ -158,3 +158,21 @@ def test_json_round_trip_and_summary(mesh, setup):
     assert "zero3" in text and "budget 59.60 GiB" in text and "block0/w1 (+2)" in text
     with pytest.raises(ValueError, match="shape"):
         osdp_jax.shard({**params, "emb": jnp.zeros((3, 3))}, mesh, plan)
+
+
+def test_fit_time_recovers_scales():
+    from osdp_jax._cost import fit_time
+    # seconds = 3 x compute + 0.5 x collectives, two probes that weigh them differently
+    runs = [(3 * c + 0.5 * m, c, m) for c, m in ((1.0, 4.0), (1.2, 0.5))]
+    assert fit_time(runs) == pytest.approx((3.0, 0.5))
+    # one probe: one common scale
+    assert fit_time([(6.0, 1.0, 2.0)]) == pytest.approx((2.0, 2.0))
+
+
+def test_measure_time_scales_the_time_model(mesh, setup):
+    params, loss_fn, batch, opt = setup
+    kw = dict(budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt, hardware="a100-40gb")
+    modelled = osdp_jax.plan(params, mesh, **kw)
+    timed = osdp_jax.plan(params, mesh, measure_time=True, **kw)
+    # the A100 preset's spec-sheet speed is far from this CPU's: timed probes correct it upwards
+    assert timed.predicted_step_seconds > 5 * modelled.predicted_step_seconds

@@ -39,3 +39,15 @@ def test_profile_cli(tmp_path, capsys):
     hw = load(out)
     assert np.isfinite(hw.bandwidth) and hw.name == "measured-cpu"
     assert "GFLOP/s" in capsys.readouterr().out
+
+
+def test_profile_measures_each_axis_of_a_2d_mesh(tmp_path):
+    import jax
+    mesh = jax.make_mesh((2, 4), ("replica", "data"))
+    hw, raw = profile(mesh, sizes=(2**14, 2**18), repeats=1)
+    assert set(hw.links) == {"replica", "data"} and set(raw["per_axis"]) == {"replica", "data"}
+    assert all(link["bandwidth"] > 0 and link["latency"] >= 0 for link in hw.links.values())
+    # a collective over both axes runs at the slower link
+    assert hw.link(("replica", "data"))[0] == min(link["bandwidth"] for link in hw.links.values())
+    save(hw, tmp_path / "p.json", raw)
+    assert load(tmp_path / "p.json") == hw

@@ -39,7 +39,8 @@ def main():
     rows = []
     for name in CONFIGS:
         base = config.load(f"experiments/{name}.toml", {"plan.batch_sizes": "64", "plan.budget": "1GB",
-                                                        "plan.hardware": profile_path})
+                                                        "plan.hardware": profile_path,
+                                                        "plan.measure_time": "true"})
         s = runner.setup(base)
         ddp = runner.make_plan(s, strategies=("replicate",))
         fsdp = runner.make_plan(s, strategies=("zero3",))

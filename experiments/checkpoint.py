@@ -1,0 +1,115 @@
+"""Checkpoints of a training run (orbax-checkpoint), and export of trained parameters.
+
+A run directory holds ``checkpoints/<step>/`` written by ``orbax.checkpoint.CheckpointManager``:
+``state`` (params and optimizer state, sharded, restored onto any mesh and plan by giving target
+shardings) and ``meta`` (JSON: the step, the data position, the seed, the model's parameter
+fingerprint, the plan and the config). Orbax writes each checkpoint into a temporary directory and
+renames it when complete, so a save killed half-way leaves no checkpoint that looks valid; the
+manager ignores (and here cleans up) such leftovers, and keeps the newest ``keep``.
+
+``step`` is the number of completed training steps: resuming from checkpoint ``s`` runs step
+``s`` next, with the batch that step would have had (data are a function of seed and step).
+
+Export writes the parameters as a plain ``.npz`` (one array per ``/``-joined path), readable with
+``numpy.load`` alone; import reads it back onto a mesh under a plan.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+import osdp_jax
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used here: another model, a missing one, an existing run."""
+
+
+def fingerprint(params) -> list[list]:
+    """``[[path, shape, dtype], ...]`` of a params tree: what a checkpoint must match to restore."""
+    return [[i.path, list(i.shape), str(i.dtype)] for i in osdp_jax.describe(params)]
+
+
+class Checkpoints:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, directory: pathlib.Path, keep: int = 2):
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=True,
+                                               enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, params, opt_state, meta: dict) -> None:
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            meta=ocp.args.JsonSave({**meta, "step": step})))
+        self.manager.wait_until_finished()
+
+    def meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    def restore(self, step: int, params_target, opt_state_target, expected_fingerprint) -> tuple:
+        """``(params, opt_state, meta)`` of checkpoint ``step``, laid out as the targets'
+        shardings (``jax.ShapeDtypeStruct`` with ``sharding``): any mesh, any plan."""
+        meta = self.check_model(step, expected_fingerprint)
+        state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+            {"params": params_target, "opt_state": opt_state_target})))["state"]
+        return state["params"], state["opt_state"], meta
+
+    def check_model(self, step: int, expected_fingerprint) -> dict:
+        """Checkpoint ``step``'s meta, or a ``CheckpointError`` if it is of another model."""
+        meta = self.meta(step)
+        if meta.get("fingerprint") != expected_fingerprint:
+            theirs = {p for p, *_ in meta.get("fingerprint", [])}
+            ours = {p for p, *_ in expected_fingerprint}
+            diff = sorted(theirs ^ ours)[:3] or [p for (p, *a), (_, *b) in
+                                                 zip(sorted(meta.get("fingerprint", [])), sorted(expected_fingerprint))
+                                                 if a != b][:3]
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} is of another model "
+                f"({meta.get('model', '?')!r}; parameters differ, e.g. {diff}); use another --out "
+                f"directory or the config that wrote it")
+        return meta
+
+    def close(self):
+        self.manager.close()
+
+
+def export_params(params, path: pathlib.Path) -> pathlib.Path:
+    """Write ``params`` (any sharding) to a plain ``.npz``, one array per ``/``-joined path."""
+    from osdp_jax._describe import path_name, strip_boxes
+    arrays = {path_name(p): np.asarray(jax.device_get(x))
+              for p, x in jax.tree_util.tree_flatten_with_path(strip_boxes(params))[0]}
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+    return path
+
+
+def import_params(path: pathlib.Path, like):
+    """Parameters from an exported ``.npz``, shaped like the tree ``like`` (checked leaf by leaf)."""
+    from osdp_jax._describe import path_name
+    with np.load(path) as f:
+        stored = dict(f)
+
+    def one(p, x):
+        name = path_name(p)
+        if name not in stored:
+            raise CheckpointError(f"{path} has no parameter {name!r}; it holds {sorted(stored)[:3]}...")
+        if tuple(stored[name].shape) != tuple(x.shape):
+            raise CheckpointError(f"{path}: parameter {name!r} has shape {stored[name].shape}, the "
+                                  f"model needs {tuple(x.shape)}")
+        return stored[name].astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, like)

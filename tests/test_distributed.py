@@ -1,0 +1,68 @@
+"""Training across processes with jax.distributed on loopback: 2 processes x 4 CPU devices equal
+one process with 8, and a killed peer stops the run with a clear error."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import cli
+
+CONFIG = "experiments/gpt2_mini.toml"
+FLAGS = ["--plan.batch_sizes=32", "--plan.splits=1"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _losses(run):
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_equal_one(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli.main(["train", CONFIG, "--steps", "4", "--out", str(one), *FLAGS]) == 0
+    assert cli.main(["launch", "--processes", "2", CONFIG, "--steps", "4", "--out", str(two), *FLAGS]) == 0
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 8 and summary["steps"] == 4
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5, abs=0)
+    # the checkpoint at the end was written once, by all processes together
+    assert [p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
+
+
+def test_a_killed_peer_stops_the_run_with_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "experiments.cli", "launch", "--processes", "2", CONFIG, "--steps", "100000",
+         "--out", str(out), *FLAGS], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pids, lines = {}, []
+    deadline = time.monotonic() + 300
+    while len(pids) < 2:
+        line = launcher.stderr.readline()
+        lines.append(line)
+        if line.startswith("osdp-jax launch: process"):
+            *_, i, _, pid = line.split()
+            pids[int(i)] = int(pid)
+        assert time.monotonic() < deadline and line, lines
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training has started
+        assert launcher.poll() is None and time.monotonic() < deadline, "the run never started"
+        time.sleep(0.5)
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    try:
+        err = launcher.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        pytest.fail("the launcher did not stop within 60 s of a peer's death")
+    assert time.monotonic() - killed_at <= 60
+    assert launcher.returncode == 1
+    assert "process 1 of 2 died (killed by signal 9)" in err and "stopped the others" in err
+    with pytest.raises(ProcessLookupError):  # the surviving peer is gone too
+        os.kill(pids[0], 0)
+
+
+def test_flags_go_together(capsys):
+    assert cli.main(["train", CONFIG, "--coordinator", "127.0.0.1:1234"]) == 2
+    assert "go together" in capsys.readouterr().err
