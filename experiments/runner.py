@@ -302,6 +302,86 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     return summary
 
 
+def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) -> list[dict]:
+    """DDP, FSDP and OSDP under one budget, each at its own best batch size."""
+    rows = []
+    trainable = s.n_params <= TRAINABLE_PARAMS
+    # the baselines do not split operators; OSDP takes the config's strategies and split counts
+    methods = [("DDP", ("replicate",), (1,)), ("FSDP", ("zero3",), (1,))]
+    if len(s.cfg.mesh.axes) > 1:  # group sharding: shard inside a node, replicate across nodes
+        methods.append(("HSDP", ("hsdp",), (1,)))
+    for name, strategies, splits in (*methods, ("OSDP", None, None)):
+        row = {"method": name, "strategies": list(strategies or s.cfg.plan.strategies)}
+        try:
+            plan = make_plan(s, strategies=strategies, splits=splits)
+        except osdp_jax.InfeasibleBudgetError as e:
+            row.update(fits=False, min_bytes=e.min_bytes)
+            rows.append(row)
+            continue
+        row.update(fits=True, batch_size=plan.batch_size, predicted_peak_bytes=plan.predicted_peak_bytes,
+                   xla_peak_bytes=plan.xla_peak_bytes,
+                   predicted_samples_per_second=plan.predicted_samples_per_second,
+                   counts=plan.counts(), splits=plan.splits_by_path)
+        if trainable and measure_steps > 0:
+            sub = dataclasses.replace(s, cfg=dataclasses.replace(
+                s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
+            result = train(sub, out, plan=plan, progress=progress, write=False)
+            row["measured_samples_per_second"] = result["samples_per_second"]
+        rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "comparison.json", {"model": s.cfg.model.preset, "budget_bytes": s.budget,
+                                          "devices": math.prod(s.cfg.mesh.shape),
+                                          "hardware": s.cfg.plan.hardware or "default",
+                                          "rows": rows})
+    (out / "comparison.md").write_text(comparison_markdown(s, rows))
+    plot_comparison(s, rows, out / "comparison.png")
+    return rows
+
+
+def comparison_markdown(s: Setup, rows) -> str:
+    f = osdp_jax.format_bytes
+    lines = [f"# {s.cfg.model.preset}: DDP vs FSDP vs OSDP at {f(s.budget)} per device",
+             "", f"{math.prod(s.cfg.mesh.shape)} devices, hardware profile "
+             f"{s.cfg.plan.hardware or 'default for the mesh'}, batch sizes {list(s.cfg.plan.batch_sizes)}. "
+             "Predicted figures come from the cost model; XLA peak is measured by compiling the step; "
+             "measured samples/s is a median over real steps on this machine.", "",
+             "| method | fits | batch | strategies | split kernels | predicted peak | XLA peak | predicted samples/s | measured samples/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["fits"]:
+            lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - | - |")
+            continue
+        meas = r.get("measured_samples_per_second")
+        splits = ", ".join(f"{p.rsplit('/', 1)[0]} k={k}" for p, k in r.get("splits", {}).items()) or "-"
+        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {f(r['predicted_peak_bytes'])} "
+                     f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
+                     f"| {f'{meas:.1f}' if meas else 'not measured'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(s: Setup, rows, path: pathlib.Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if not r["fits"]:
+            continue
+        x = r["xla_peak_bytes"] / 2**20
+        ax.scatter(x, r["predicted_samples_per_second"], marker="o", label=f"{r['method']} predicted")
+        if r.get("measured_samples_per_second"):
+            ax.scatter(x, r["measured_samples_per_second"], marker="x", label=f"{r['method']} measured")
+        ax.annotate(r["method"], (x, r["predicted_samples_per_second"]))
+    ax.axvline(s.budget / 2**20, color="gray", linestyle="--", label="budget")
+    ax.set_xlabel("per-device peak memory, XLA (MiB)")
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"{s.cfg.model.preset}, {math.prod(s.cfg.mesh.shape)} devices")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _same_on_every_process(plan: osdp_jax.Plan) -> None:
     """Every process plans on its own; check that they agree (identical XLA figures)."""
     if jax.process_count() == 1:

@@ -162,6 +162,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, caps
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_export_and_import_round_trip(tmp_path, uninterrupted):
     exported = _export(uninterrupted, tmp_path, "p")
     out = tmp_path / "from_npz"

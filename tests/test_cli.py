@@ -5,7 +5,10 @@ import pytest
 
 from experiments import cli
 
-MINI = ["experiments/gpt2_mini.toml", "experiments/opt_mini.toml", "experiments/bert_mini.toml"]
+# gpt2 in the default run; the other two (same code path, ~25 s each) with -m slow
+MINI = ["experiments/gpt2_mini.toml",
+        pytest.param("experiments/opt_mini.toml", marks=pytest.mark.slow),
+        pytest.param("experiments/bert_mini.toml", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("config", MINI)
