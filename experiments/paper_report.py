@@ -48,7 +48,7 @@ def main():
                 continue
             ours[r["method"]] = r["predicted_samples_per_second"]
             counts = ", ".join(f"{v} {k}" for k, v in sorted(r.get("counts", {}).items()))
-            splits = ", ".join(f"{p.rsplit('/', 2)[-2]} k={k}" for p, k in r.get("splits", {}).items()) or "-"
+            splits = ", ".join(f"{p.removesuffix('/kernel')} k={k}" for p, k in r.get("splits", {}).items()) or "-"
             lines.append(f"| {r['method']} | {r['batch_size']} | {counts} | {splits} | {fmt_bytes(r['xla_peak_bytes'])} | "
                          f"{r['predicted_samples_per_second']:.1f} | {orig_s} |")
         if "OSDP" in ours and "FSDP" in ours:

@@ -352,7 +352,7 @@ def comparison_markdown(s: Setup, rows) -> str:
             lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - | - |")
             continue
         meas = r.get("measured_samples_per_second")
-        splits = ", ".join(f"{p.rsplit('/', 1)[0]} k={k}" for p, k in r.get("splits", {}).items()) or "-"
+        splits = ", ".join(f"{p.removesuffix('/kernel')} k={k}" for p, k in r.get("splits", {}).items()) or "-"
         lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {f(r['predicted_peak_bytes'])} "
                      f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
                      f"| {f'{meas:.1f}' if meas else 'not measured'} |")
