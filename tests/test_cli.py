@@ -30,6 +30,7 @@ def test_train_two_steps(tmp_path, config, capsys):
     assert "per-device peak" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_only_paper_scale(tmp_path, capsys):
     out = tmp_path / "plan"
     code = cli.main(["plan", "experiments/gpt2_mini.toml", "--model.preset=gpt2-48l-1536", "--data.task=random",
