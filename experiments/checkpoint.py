@@ -66,6 +66,16 @@ class Checkpoints:
             {"params": params_target, "opt_state": opt_state_target})))["state"]
         return state["params"], state["opt_state"], meta
 
+    def restore_params(self, step: int, abstract_params, optimizer, device=None):
+        """Checkpoint ``step``'s parameters on one device (default: the first), checked against
+        ``abstract_params``; the optimizer state (``optimizer`` gives its structure) is dropped."""
+        one = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
+        params, _, _ = self.restore(step, jax.tree.map(place, abstract_params),
+                                    jax.tree.map(place, jax.eval_shape(optimizer.init, abstract_params)),
+                                    fingerprint(abstract_params))
+        return params
+
     def check_model(self, step: int, expected_fingerprint) -> dict:
         """Checkpoint ``step``'s meta, or a ``CheckpointError`` if it is of another model."""
         meta = self.meta(step)

@@ -97,11 +97,8 @@ def _export(args) -> int:
         print(f"osdp-jax: error: {run} is not a run directory (needs config.json and checkpoints/ "
               f"written by 'osdp-jax train')", file=sys.stderr)
         return 2
-    import jax
-    from jax.sharding import SingleDeviceSharding
-
     from . import runner
-    from .checkpoint import Checkpoints, export_params, fingerprint
+    from .checkpoint import Checkpoints, export_params
     from .config import ConfigError, from_dict
     try:
         cfg = from_dict(json.loads((run / "config.json").read_text()))
@@ -117,12 +114,7 @@ def _export(args) -> int:
             print(f"osdp-jax: error: no complete checkpoint {'' if step is None else step} in "
                   f"{run / 'checkpoints'} (has {ckpt.steps()})", file=sys.stderr)
             return 2
-        one = SingleDeviceSharding(jax.devices()[0])
-        place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
-        abstract = s.abstract_params()
-        params, _, _ = ckpt.restore(step, jax.tree.map(place, abstract),
-                                    jax.tree.map(place, jax.eval_shape(s.optimizer.init, abstract)),
-                                    fingerprint(abstract))
+        params = ckpt.restore_params(step, s.abstract_params(), s.optimizer)
     finally:
         ckpt.close()
     path = export_params(params, pathlib.Path(args.out or run / "params.npz"))

@@ -185,7 +185,7 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
 
     from .checkpoint import Checkpoints, fingerprint, import_params
     cfg = s.cfg
-    check_run_dir(s, out, resume) if write else None
+    latest = check_run_dir(s, out, resume) if write else None
     plan = plan or make_plan(s)
     _same_on_every_process(plan)
     b = plan.batch_size
@@ -195,7 +195,6 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     batch_of = _batches(s, plan.axes, b)
     start, meta = 0, None
     try:
-        latest = ckpt.latest() if ckpt else None
         if write and lead:
             out.mkdir(parents=True, exist_ok=True)
             (out / "plan.json").write_text(plan.to_json())

@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-
-import jax
+from typing import NamedTuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +38,16 @@ class SplitSpec:
     dim: int
     how: Collective
     k: int
+
+
+class SplitEntry(NamedTuple):
+    """A split kernel as the step plans it (``StepContext.split``)."""
+
+    dim: int  # sharded dimension of the stored parameter
+    how: Collective
+    k: int
+    n: int  # devices in the gather
+    stacked: bool  # a layer-stacked parameter: wrapped per layer, inside the loop
 
 
 class SplitKernel:
@@ -82,8 +91,7 @@ class SplitKernel:
 @dataclasses.dataclass
 class StepContext:
     gathered: dict  # path -> (sharded dim of the stacked parameter, Collective): gathered per layer
-    # path -> (sharded dim, Collective, k, devices in the gather, stacked): split kernels
-    split: dict = dataclasses.field(default_factory=dict)
+    split: dict = dataclasses.field(default_factory=dict)  # path -> SplitEntry
     kernels: dict = dataclasses.field(default_factory=dict)  # discovery: id(array) -> (array, path)
     recording: bool = False  # discovery: record which parameters reach the hooks, change nothing
     recorded_loop: set = dataclasses.field(default_factory=set)
@@ -96,13 +104,13 @@ class StepContext:
             # keep the array itself: its id must not be reused while the context lives
             self.kernels[id(array)] = (array, path)
             return array
-        if path not in self.split or self.split[path][4] != stacked:
+        entry = self.split.get(path)
+        if entry is None or entry.stacked != stacked:
             return array  # a stacked kernel is wrapped per layer, inside the loop
-        dim, how, k, n, _ = self.split[path]
-        dim -= 1 if stacked else 0  # a layer's slice has lost the leading layer axis
+        dim = entry.dim - (1 if stacked else 0)  # a layer's slice has lost the leading layer axis
         shape = list(array.shape)
-        shape[dim] *= n
-        return SplitKernel(array, tuple(shape), SplitSpec(dim, how, k), path)
+        shape[dim] *= entry.n
+        return SplitKernel(array, tuple(shape), SplitSpec(dim, entry.how, entry.k), path)
 
     def lookup(self, array) -> str | None:
         """The path of an array recorded during discovery, or None."""

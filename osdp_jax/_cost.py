@@ -34,7 +34,7 @@ kappa, all-zero3 gives zeta. Without a loss function to compile: temp_R = 2 P, k
 (no parameter is known to be gathered per layer), zeta = 2 (gathered weight plus its gradient),
 an estimate that leaves activations out.
 
-*Split* (operator splitting, ``osdp_jax.split``, k slices; zero3 kernels only): the kernel is
+*Split* (operator splitting, ``osdp_jax.split``, k slices; sharded kernels only): the kernel is
 gathered one slice at a time inside its own rematerialised loop. A per-step kernel then puts
 zeta p_i / k in the Z pool instead of zeta p_i (modelled). A per-layer kernel saves a further
 sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma fitted on a probe that splits every
@@ -96,7 +96,7 @@ class CostTables:
     pools: np.ndarray
     base_mem: float
     base_time: float
-    two_stage: np.ndarray | None = None  # [i, s]: zero3 collectives in two stages (faster there)
+    two_stage: np.ndarray  # [i, s]: zero3 collectives in two stages (faster there)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,8 +43,7 @@ def gather_params(tree, prefix: str = ""):
         name = "/".join(p for p in (prefix, path_name(path)) if p)
         if ctx.recording:
             ctx.recorded_loop.add(name)
-            return ctx.wrap(x, name, stacked=True)
-        if name in ctx.split:
+        if ctx.recording or name in ctx.split:
             return ctx.wrap(x, name, stacked=True)
         if name in ctx.gathered:
             dim, how = ctx.gathered[name]

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._describe import path_name, strip_boxes
-from ._context import Collective, StepContext, active
+from ._context import Collective, SplitEntry, StepContext, active
 from ._gather import wrap_tree
 from ._split import intercepting
 from ._strategies import axes_size, axis_entry, sharded_dim
@@ -110,14 +110,14 @@ def check_batch(batch, n: int):
 
 
 def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, split_specs: dict,
-               two_stage=frozenset()):
+               how: dict):
     """The per-device body: gather, loss and gradient, gradient collectives, optimizer update.
 
     ``loop_specs`` (path -> (dim, Collective)) are the sharded parameters the model gathers
-    itself, one layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path -> (dim,
-    Collective, k, n, in loop)) the kernels its dense layers gather one slice at a time
-    (``osdp_jax.split``); every other sharded parameter is gathered here (in two stages if its
-    path is in ``two_stage``).
+    itself, one layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path ->
+    ``SplitEntry``) the kernels its dense layers gather one slice at a time
+    (``osdp_jax.split``); every other sharded parameter is gathered here, as ``how`` (path ->
+    Collective) says.
     """
     def body(params, opt_state, batch):
 
@@ -125,7 +125,7 @@ def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, 
             name = path_name(path)
             if sharded_dim(s) is None or name in loop_specs or name in split_specs:
                 return w
-            return gather(w, sharded_dim(s), collective(s, axes, name in two_stage))
+            return gather(w, sharded_dim(s), how[name])
 
         def loss_of(p):
             used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs))
@@ -160,10 +160,12 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
     splits = {p: k for p, k in (splits or {}).items() if k > 1}
     for path in splits:
         if sharded_dim(specs_by_path[path]) is None:
-            raise ValueError(f"parameter {path!r} is split but not sharded: only zero3 kernels can be split")
+            raise ValueError(f"parameter {path!r} is split but not sharded: only sharded (zero3 or hsdp) "
+                             f"kernels can be split")
     how = {path: collective(spec, axes, path in two_stage) for path, spec in specs_by_path.items()}
-    split_specs = {path: (sharded_dim(specs_by_path[path]), how[path], k, axes_size(mesh, how[path].axes),
-                          path in in_loop) for path, k in splits.items()}
+    split_specs = {path: SplitEntry(sharded_dim(specs_by_path[path]), how[path], k,
+                                    axes_size(mesh, how[path].axes), path in in_loop)
+                   for path, k in splits.items()}
     loop_specs = {path: (sharded_dim(specs_by_path[path]), how[path]) for path in in_loop
                   if how[path] is not None and path not in splits}
 
@@ -177,7 +179,7 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         args = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch),
                             in_specs)
         mapped = jax.shard_map(
-            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, split_specs, frozenset(two_stage)), mesh=mesh,
+            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, split_specs, how), mesh=mesh,
             in_specs=in_specs, out_specs=(p_specs, o_specs, P()), check_vma=False)
         return mapped(*args)
     return step

@@ -153,11 +153,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, caps
     assert ckpt.steps(), "the checkpoints before the divergence are kept"
     cfg = config.load(CONFIG, {"plan.batch_sizes": "32", "optim.name": "sgd"})
     s = runner.setup(cfg)
-    abstract = s.abstract_params()
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)  # noqa: E731
-    params, _, _ = ckpt.restore(ckpt.latest(), jax.tree.map(place, abstract),
-                                jax.tree.map(place, jax.eval_shape(s.optimizer.init, abstract)), fingerprint(abstract))
+    params = ckpt.restore_params(ckpt.latest(), s.abstract_params(), s.optimizer)
     ckpt.close()
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 

@@ -6,7 +6,6 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
@@ -100,7 +99,7 @@ def test_split_kernel_keeps_its_storage_and_misuse_is_clear(mesh):
     with pytest.raises(TypeError, match="'w' is split by the plan"):
         build_step(misuse, optax.sgd(0.1), mesh, AXES, {"w": P("data")}, frozenset(), {"w": 2})(
             params, optax.sgd(0.1).init(params), jnp.ones((8, 64)))
-    with pytest.raises(ValueError, match="only zero3 kernels can be split"):
+    with pytest.raises(ValueError, match=r"only sharded \(zero3 or hsdp\) kernels can be split"):
         build_step(misuse, optax.sgd(0.1), mesh, AXES, {"w": P()}, frozenset(), {"w": 2})
 
 
