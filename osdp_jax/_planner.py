@@ -69,9 +69,9 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
       optimizer: an optax optimizer (default ``optax.adam(1e-3)``); its state is part of the memory.
       hardware: a :class:`Hardware`, a preset name or a dict; default from the mesh's devices.
       strategies: allowed strategy names, e.g. ``("zero3",)`` (FSDP) or ``("replicate",)`` (DDP).
-      splits: candidate split counts k for zero3 kernels of dense layers (operator splitting,
-        ``osdp_jax.split``); ``(1,)`` disables splitting. A kernel takes k only when the device
-        count times k divides its sharded dimension.
+      splits: candidate split counts k for sharded (zero3 or hsdp) kernels of dense layers
+        (operator splitting, ``osdp_jax.split``); ``(1,)`` disables splitting. A kernel takes k
+        only when k times the devices it is gathered over divides its sharded dimension.
       verify: compile the chosen plan and re-plan if XLA's peak exceeds the budget.
       measure_time: also *run* the probe steps that fit the devices' memory on ``mesh`` (zeros as
         data, a few timed steps each) and scale the modelled compute and collective seconds to match
