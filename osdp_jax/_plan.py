@@ -133,6 +133,14 @@ class Plan:
         lines.insert(1, "-" * len(lines[0]))
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
+        minor = [pp for pp in self.params if pp.strategy != "replicate"
+                 and next(d for d, e in enumerate(pp.spec) if e is not None) > (1 if pp.in_loop else 0)]
+        if minor:
+            pp = minor[0]
+            lines += ["", f"note: {len(minor)} sharded parameter(s) split along a later dimension because the "
+                          f"device count does not divide the first, e.g. {pp.path} {pp.shape} as "
+                          f"{_spec_str(pp.spec)}: XLA transposes such a weight in full around each gather; "
+                          f"padding that first dimension to a multiple of {self.num_devices} avoids it"]
         lines += [
             "",
             f"mesh axes {self.axes} ({self.num_devices} data-parallel devices), hardware {self.hardware}",

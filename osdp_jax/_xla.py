@@ -6,7 +6,7 @@ import re
 
 import jax
 
-from ._train import abstract_args, build_step
+from ._train import abstract_args, build_step, jit_step
 
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -111,8 +111,7 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, i
     """Lower and compile the train step for ``specs_by_path`` (and ``splits``, path -> k; and
     the paths gathered ``two_stage``) without allocating anything."""
     args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
-    step = jax.jit(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits, two_stage),
-                   donate_argnums=(0, 1))
+    step = jit_step(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits, two_stage), mesh)
     return step.lower(*args).compile()
 
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import osdp_jax  # noqa: E402
 from osdp_jax._gather import discover  # noqa: E402
 from osdp_jax._strategies import spec_for  # noqa: E402
-from osdp_jax._train import abstract_args, build_step  # noqa: E402
+from osdp_jax._train import abstract_args, build_step, jit_step  # noqa: E402
 from osdp_jax._xla import collectives_by_place, profile_compiled  # noqa: E402
 
 KS = (1, 2, 4, 8)
@@ -65,8 +65,7 @@ def ffn_rows(mesh, d, hidden, tokens, rounds, label):
     for k in KS:
         if hidden % (8 * k) or d % (8 * k):
             continue
-        step = jax.jit(build_step(loss_fn, opt, mesh, AXES, specs, frozenset(), {p: k for p in specs}),
-                       donate_argnums=(0, 1))
+        step = jit_step(build_step(loss_fn, opt, mesh, AXES, specs, frozenset(), {p: k for p in specs}), mesh)
         compiled = step.lower(*abstract_args(opt, params, batch, mesh, AXES, specs)).compile()
         prof = profile_compiled(compiled)
         facts[k] = (prof.temp_bytes, prof.peak_bytes, *_places(compiled))
@@ -113,8 +112,7 @@ def opt_rows():
         splits = {p: k for p in splittable
                   if k > 1 and next(i for i in infos if i.path == p).shape[1 if p in loop else 0] % (8 * k) == 0}
         args = abstract_args(s.optimizer, params, batch, s.mesh, AXES, specs)
-        step = jax.jit(build_step(s.loss_fn, s.optimizer, s.mesh, AXES, specs, frozenset(loop), splits),
-                       donate_argnums=(0, 1))
+        step = jit_step(build_step(s.loss_fn, s.optimizer, s.mesh, AXES, specs, frozenset(loop), splits), s.mesh)
         compiled = step.lower(*args).compile()
         prof = profile_compiled(compiled)
         rows.append(f"| {k} ({len(splits)} kernels split) | {f(prof.temp_bytes)} | {f(prof.peak_bytes)} | "
