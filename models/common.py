@@ -18,8 +18,7 @@ import osdp_jax
 # BERT's WordPiece vocabulary (30,522 tokens) padded to a multiple of 64, as nanoGPT pads GPT-2's
 # 50,257 to 50,304: then the device count divides the embedding's first dimension and ZeRO-3
 # shards it there; sharded along the feature dimension instead, XLA transposes the whole table
-# around each gather and gradient reduce-scatter (gpt2-48l-1536 FSDP, 8 devices, batch 8 of 128
-# tokens: XLA temp 1054 MiB with 30,522 tokens, 897 MiB with 30,528).
+# around each gather and gradient reduce-scatter (experiments/benchmarks/fsdp_temp.py).
 VOCAB = 30528
 
 

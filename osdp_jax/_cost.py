@@ -18,9 +18,8 @@ for the backward pass, so XLA's schedule decides how many of them (and of their 
 gradients) are alive together; zeta, fitted on the all-zero3 probe, measures it. Replicated
 gradients (R bytes) live until the update, and at the peak either XLA's combined all-reduce buffer
 for them (rho R) or the gathered weights with their full-size gradients (zeta Z, Z the bytes
-gathered per step) is alive, not both. (On CPU the step is compiled with XLA's memory-optimized
-scheduler, ``_train.CPU_COMPILER_OPTIONS``; the default one starts every all-gather as early as
-it can, which keeps all per-step gathered weights alive together.)
+gathered per step) is alive, not both. (XLA:CPU's default scheduler starts every all-gather as
+early as it can, which keeps all per-step gathered weights alive together.)
 
 *Gathered per layer* (a stacked parameter the model passes through ``osdp_jax.gather_params``
 inside its scanned, rematerialised layer loop): one layer's slice is alive at a time, so making

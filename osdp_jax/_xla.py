@@ -111,7 +111,7 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, i
     """Lower and compile the train step for ``specs_by_path`` (and ``splits``, path -> k; and
     the paths gathered ``two_stage``) without allocating anything."""
     args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
-    step = jit_step(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits, two_stage), mesh)
+    step = jit_step(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits, two_stage))
     return step.lower(*args).compile()
 
 

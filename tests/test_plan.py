@@ -156,8 +156,20 @@ def test_json_round_trip_and_summary(mesh, setup):
     assert sharded["block1"]["w2"].sharding.spec == P("data")
     text = plan.summary()
     assert "zero3" in text and "budget 59.60 GiB" in text and "block0/w1 (+2)" in text
+    assert "note:" not in text  # every zero3 parameter is sharded along its first dimension
     with pytest.raises(ValueError, match="shape"):
         osdp_jax.shard({**params, "emb": jnp.zeros((3, 3))}, mesh, plan)
+
+
+def test_summary_names_parameters_sharded_along_a_later_dimension(mesh):
+    """A (30522, 64) table: 8 does not divide 30522, so zero3 shards dimension 1 and the summary
+    says so, with the fix (pad the first dimension)."""
+    params = {"emb": jax.ShapeDtypeStruct((30522, 64), jnp.float32), "w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    plan = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",))
+    assert plan.specs["emb"] == P(None, "data") and plan.specs["w"] == P("data")
+    text = plan.summary()
+    assert "note: 1 sharded parameter(s)" in text and "emb (30522, 64)" in text
+    assert "multiple of 8" in text
 
 
 def test_fit_time_recovers_scales():

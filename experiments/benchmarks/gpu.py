@@ -81,7 +81,7 @@ def run_one(preset: str, variant: str, batch_size: int, seq: int, steps: int) ->
         k = 1 if variant == "split off" else 4
         splits = {p: k for p in splittable if k > 1}
         out.update(split_kernels=len(splits))
-    step = jit_step(build_step(loss_fn, opt, mesh, ("data",), specs, frozenset(in_loop), splits), mesh)
+    step = jit_step(build_step(loss_fn, opt, mesh, ("data",), specs, frozenset(in_loop), splits))
     compiled = step.lower(*abstract_args(opt, abstract, batch, mesh, ("data",), specs)).compile()
     out["xla_peak"] = profile_compiled(compiled).peak_bytes
     out["plan_and_compile_s"] = time.perf_counter() - t0

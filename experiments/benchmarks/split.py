@@ -65,7 +65,7 @@ def ffn_rows(mesh, d, hidden, tokens, rounds, label):
     for k in KS:
         if hidden % (8 * k) or d % (8 * k):
             continue
-        step = jit_step(build_step(loss_fn, opt, mesh, AXES, specs, frozenset(), {p: k for p in specs}), mesh)
+        step = jit_step(build_step(loss_fn, opt, mesh, AXES, specs, frozenset(), {p: k for p in specs}))
         compiled = step.lower(*abstract_args(opt, params, batch, mesh, AXES, specs)).compile()
         prof = profile_compiled(compiled)
         facts[k] = (prof.temp_bytes, prof.peak_bytes, *_places(compiled))
@@ -112,7 +112,7 @@ def opt_rows():
         splits = {p: k for p in splittable
                   if k > 1 and next(i for i in infos if i.path == p).shape[1 if p in loop else 0] % (8 * k) == 0}
         args = abstract_args(s.optimizer, params, batch, s.mesh, AXES, specs)
-        step = jit_step(build_step(s.loss_fn, s.optimizer, s.mesh, AXES, specs, frozenset(loop), splits), s.mesh)
+        step = jit_step(build_step(s.loss_fn, s.optimizer, s.mesh, AXES, specs, frozenset(loop), splits))
         compiled = step.lower(*args).compile()
         prof = profile_compiled(compiled)
         rows.append(f"| {k} ({len(splits)} kernels split) | {f(prof.temp_bytes)} | {f(prof.peak_bytes)} | "
