@@ -30,6 +30,12 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout_s:
     import jax
     if not 0 <= process_id < num_processes:
         raise DistributedError(f"--process-id {process_id} is not in [0, {num_processes})")
+    # A peer that never shows up makes jax's coordination client abort the process (a C++ fatal
+    # error, DEADLINE_EXCEEDED, not an exception), so say first what is being waited for.
+    print(f"osdp-jax: process {process_id} of {num_processes} joining the coordinator at {coordinator}; "
+          f"if every process has not joined within {timeout_s} s, this process stops (jax reports "
+          f"DEADLINE_EXCEEDED): start every process with the same --coordinator and --num-processes",
+          file=sys.stderr, flush=True)
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=timeout_s,
