@@ -190,8 +190,9 @@ def jit_step(step):
 
     XLA:CPU's memory-optimized scheduler (``xla_cpu_scheduler_type``) would cut the FSDP temp of
     the GPT-2 presets to within the ZeRO-3 bound, but steps compiled with it abort at run time in
-    XLA:CPU's collective rendezvous (two all-gathers of one loop body meet in one rendezvous), so
-    the default scheduler is kept (``experiments/benchmarks/fsdp_temp.py``).
+    XLA:CPU's collective rendezvous (an all-gather rendezvous gets 9 participants for 8 devices:
+    two all-gathers were in flight at once), so the default scheduler is kept
+    (``experiments/benchmarks/fsdp_temp.py``).
     """
     return jax.jit(step, donate_argnums=(0, 1))
 
