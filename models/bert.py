@@ -5,10 +5,10 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from .common import VOCAB, Stack, TransformerConfig
+from .common import Stack, TransformerConfig
 
 
-def bert_config(n_layer, d_model, n_head, vocab_size=VOCAB, max_len=512, **kw) -> TransformerConfig:
+def bert_config(n_layer, d_model, n_head, vocab_size=30522, max_len=512, **kw) -> TransformerConfig:
     return TransformerConfig(vocab_size=vocab_size, max_len=max_len, n_layer=n_layer, n_head=n_head,
                              d_model=d_model, d_ff=4 * d_model, causal=False, pre_ln=False,
                              activation="gelu", **kw)

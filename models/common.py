@@ -15,13 +15,6 @@ from flax import linen as nn
 import osdp_jax
 
 
-# BERT's WordPiece vocabulary (30,522 tokens) padded to a multiple of 64, as nanoGPT pads GPT-2's
-# 50,257 to 50,304: then the device count divides the embedding's first dimension and ZeRO-3
-# shards it there; sharded along the feature dimension instead, XLA transposes the whole table
-# around each gather and gradient reduce-scatter (experiments/benchmarks/fsdp_temp.py).
-VOCAB = 30528
-
-
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Shape of a transformer stack. Every size is a count (tokens, features or layers)."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import linen as nn
 
-from .common import VOCAB, Stack, TransformerConfig
+from .common import Stack, TransformerConfig
 
 
-def gpt2_config(n_layer, d_model, n_head, vocab_size=VOCAB, max_len=512, **kw) -> TransformerConfig:
+def gpt2_config(n_layer, d_model, n_head, vocab_size=30522, max_len=512, **kw) -> TransformerConfig:
     return TransformerConfig(vocab_size=vocab_size, max_len=max_len, n_layer=n_layer, n_head=n_head,
                              d_model=d_model, d_ff=4 * d_model, causal=True, pre_ln=True,
                              activation="gelu", **kw)

@@ -53,7 +53,9 @@ class SplitEntry(NamedTuple):
 class SplitKernel:
     """A split kernel as the model sees it: this device's shard, with the whole kernel's shape.
 
-    Only ``osdp_jax.split.dense`` (and the intercepted Flax ``Dense``/``Linear``) can use it.
+    Only ``osdp_jax.split.dense`` (and the intercepted Flax ``Dense``/``Linear``) can use a kernel
+    split in k > 1 slices. An unsplit (k = 1) per-step kernel is gathered by its dense layer; any
+    other use gathers it there and then (``jnp`` functions, attributes such as ``.T``).
     """
 
     def __init__(self, shard, shape: tuple[int, ...], spec: SplitSpec, path: str):
@@ -70,15 +72,29 @@ class SplitKernel:
     def __getitem__(self, key):  # nnx reads a variable's value as ``var[...]``
         if key is Ellipsis:
             return self
-        self._misuse()
+        return self._misuse()[key]
 
     def __jax_array__(self):
-        self._misuse()
+        return self._misuse()
 
     def __array__(self, *_, **__):
         self._misuse()
 
+    def gathered(self):
+        """The whole kernel, all-gathered here (the fallback of an unsplit kernel, k = 1)."""
+        from ._train import gather
+        return gather(self.shard, self.spec.dim, self.spec.how)
+
+    def __getattr__(self, name):
+        # only reached for attributes a SplitKernel lacks (.T, .astype, .reshape, ...)
+        spec = self.__dict__.get("spec")
+        if name.startswith("__") or spec is None or spec.k != 1:
+            raise AttributeError(name)
+        return getattr(self.gathered(), name)
+
     def _misuse(self):
+        if self.spec.k == 1:
+            return self.gathered()
         raise TypeError(
             f"parameter {self.path!r} is split by the plan (operator splitting, k={self.spec.k}): the "
             f"model may only use it through osdp_jax.split.dense or a flax Dense/nnx Linear layer. "

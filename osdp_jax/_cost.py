@@ -18,8 +18,9 @@ for the backward pass, so XLA's schedule decides how many of them (and of their 
 gradients) are alive together; zeta, fitted on the all-zero3 probe, measures it. Replicated
 gradients (R bytes) live until the update, and at the peak either XLA's combined all-reduce buffer
 for them (rho R) or the gathered weights with their full-size gradients (zeta Z, Z the bytes
-gathered per step) is alive, not both. (XLA:CPU's default scheduler starts every all-gather as
-early as it can, which keeps all per-step gathered weights alive together.)
+gathered per step) is alive, not both. (A per-step kernel of a dense layer is gathered at the
+layer, once its input is ready; other per-step weights are gathered before the loss, and
+XLA:CPU's scheduler starts those gathers at the top of the step.)
 
 *Gathered per layer* (a stacked parameter the model passes through ``osdp_jax.gather_params``
 inside its scanned, rematerialised layer loop): one layer's slice is alive at a time, so making

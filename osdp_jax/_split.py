@@ -22,7 +22,11 @@ Models use it in one of two ways:
   osdp-jax step (or the planner's discovery) traces the loss;
 - custom layers call :func:`dense` with the kernel exactly as they got it from the params.
 
-Outside an osdp-jax step, or for kernels the plan does not split, :func:`dense` is ``x @ W + b``.
+Outside an osdp-jax step, or for replicated kernels, :func:`dense` is ``x @ W + b``. A sharded
+per-step kernel the plan does not split (k = 1) is gathered whole by its dense layer, once the
+layer's input is ready (not before the loss, where XLA:CPU would start the gather at the top of
+the step and keep the weight alive through every layer loop); any other use of it gathers it
+there.
 A split kernel reaches the model as a ``SplitKernel`` (its local shard with the whole kernel's
 shape, so Flax's shape checks pass); any other use of it raises a ``TypeError`` naming it.
 """
@@ -48,6 +52,12 @@ def matmul(x, shard, spec: SplitSpec, precision=None):
     """
     from ._train import gather
 
+    if spec.k == 1:
+        # not split: the whole kernel gathered here, once x is ready. Adding 0 x (one element of
+        # x) makes the gather depend on x; XLA:CPU would otherwise start it at the top of the
+        # step (an optimization_barrier does not stop that) and keep it alive through the loops.
+        shard = shard + jax.lax.stop_gradient(x.reshape(-1)[0] * 0).astype(shard.dtype)
+        return jnp.matmul(x, gather(shard, spec.dim, spec.how), precision=precision)
     n = jax.lax.psum(1, spec.how.axes)
     k = spec.k
     if shard.ndim != 2 or spec.dim not in (0, 1):
@@ -154,7 +164,8 @@ def _nnx_call(self, inputs, out_sharding=None):
     if not isinstance(kernel, SplitKernel):
         return _NNX_ORIGINAL(self, inputs, out_sharding)
     if out_sharding is not None or getattr(self, "dot_general", jax.lax.dot_general) is not jax.lax.dot_general:
-        kernel._misuse()
+        kernel._misuse()  # raises for a split kernel; an unsplit one is gathered by nnx's own code
+        return _NNX_ORIGINAL(self, inputs, out_sharding)
     bias = self.bias[...] if self.bias is not None else None
     y = dense(inputs, kernel, bias, precision=self.precision, dtype=self.dtype)
     return y.astype(self.preferred_element_type) if self.preferred_element_type is not None else y
@@ -185,8 +196,11 @@ def _nnx_patched():
 
 @contextlib.contextmanager
 def intercepting():
-    """While tracing a step: ``flax.linen.Dense`` and ``flax.nnx.Linear`` go through :func:`dense`."""
+    """While tracing a step: ``flax.linen.Dense`` and ``flax.nnx.Linear`` go through :func:`dense`,
+    and ``flax.linen.Embed`` and ``flax.nnx.Embed`` through ``_embed.lookup``."""
     from flax import linen as nn
 
-    with nn.intercept_methods(_linen_interceptor), _nnx_patched():
+    from . import _embed
+
+    with nn.intercept_methods(_linen_interceptor), _nnx_patched(), _embed.intercepting():
         yield

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._describe import path_name, strip_boxes
 from ._context import Collective, SplitEntry, StepContext, active
-from ._gather import wrap_tree
+from ._gather import discover, wrap_tree
 from ._split import intercepting
 from ._strategies import axes_size, axis_entry, sharded_dim
 
@@ -115,9 +115,9 @@ def local_step(loss_fn, optimizer, param_specs, axes, n: int, loop_specs: dict, 
 
     ``loop_specs`` (path -> (dim, Collective)) are the sharded parameters the model gathers
     itself, one layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path ->
-    ``SplitEntry``) the kernels its dense layers gather one slice at a time
-    (``osdp_jax.split``); every other sharded parameter is gathered here, as ``how`` (path ->
-    Collective) says.
+    ``SplitEntry``) the kernels its dense layers gather, whole (k = 1) or one slice at a time
+    (``osdp_jax.split``); every other sharded parameter is gathered here, before the loss, as
+    ``how`` (path -> Collective) says.
     """
     def body(params, opt_state, batch):
 
@@ -172,6 +172,15 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
     def step(params, opt_state, batch):
         n = axes_size(mesh, axes)
         check_batch(batch, n)
+        # Per-step sharded kernels of dense layers are gathered at the layer, from its input
+        # (k = 1 in osdp_jax.split), not before the loss: XLA:CPU's scheduler would otherwise
+        # gather them at the start of the step and keep them alive through the layer loops.
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+        _, dense = discover(loss_fn, *abstract)
+        at_layer = {path: SplitEntry(sharded_dim(specs_by_path[path]), how[path], 1,
+                                     axes_size(mesh, how[path].axes), False)
+                    for path in dense if path not in in_loop and path not in split_specs
+                    and how.get(path) is not None}
         p_specs = spec_tree(params, specs_by_path)
         o_specs = opt_state_specs(optimizer, opt_state, p_specs)
         in_specs = (p_specs, o_specs, batch_specs(batch, axes))
@@ -179,21 +188,15 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         args = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch),
                             in_specs)
         mapped = jax.shard_map(
-            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, split_specs, how), mesh=mesh,
+            local_step(loss_fn, optimizer, p_specs, axes, n, loop_specs, {**split_specs, **at_layer}, how),
+            mesh=mesh,
             in_specs=in_specs, out_specs=(p_specs, o_specs, P()), check_vma=False)
         return mapped(*args)
     return step
 
 
 def jit_step(step):
-    """``jax.jit(step)`` with params and optimizer state donated.
-
-    XLA:CPU's memory-optimized scheduler (``xla_cpu_scheduler_type``) would cut the FSDP temp of
-    the GPT-2 presets to within the ZeRO-3 bound, but steps compiled with it abort at run time in
-    XLA:CPU's collective rendezvous (an all-gather rendezvous gets 9 participants for 8 devices:
-    two all-gathers were in flight at once), so the default scheduler is kept
-    (``experiments/benchmarks/fsdp_temp.py``).
-    """
+    """``jax.jit(step)`` with params and optimizer state donated."""
     return jax.jit(step, donate_argnums=(0, 1))
 
 

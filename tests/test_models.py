@@ -87,12 +87,6 @@ def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, pres
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "not met on CPU: XLA:CPU's default scheduler starts every all-gather and every gradient "
-    "buffer's zero fill at the start of the step (gpt2-48l-1536: W - gradient shards = 494 MiB "
-    "against two layers = 216 MiB). Its memory-optimized scheduler meets the bound (131 MiB) but "
-    "its steps abort at run time in XLA:CPU's collective rendezvous; see "
-    "experiments/benchmarks/fsdp_temp.py"))
 @pytest.mark.parametrize("preset", ["gpt2-48l-1536", "gpt2-48l-2048"])
 def test_fsdp_temp_is_activations_plus_two_layers(preset):
     """XLA's per-device temp of the FSDP step (every weight zero3, layers gathered per layer) is

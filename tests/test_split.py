@@ -55,6 +55,11 @@ def test_split_equals_unsplit(mesh, flavour, dim):
     infos = osdp_jax.describe(params)
     specs = {i.path: (P(*([None] * dim), "data") if i.path in splittable else P()) for i in infos}
     loss1, g1 = _grads_by_step(params, loss_fn, mesh, specs, {}, batch)
+    # k = 1: each sharded kernel gathered whole at its dense layer; the reference is one device
+    ref_loss, ref_g = jax.value_and_grad(loss_fn)(params, batch)
+    assert loss1 == pytest.approx(float(ref_loss), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
     for k in (2, 4):
         loss_k, g_k = _grads_by_step(params, loss_fn, mesh, specs, {p: k for p in splittable}, batch)
         assert loss_k == pytest.approx(loss1, rel=1e-5)
@@ -132,3 +137,33 @@ def test_plan_splits_when_only_a_split_plan_fits(mesh):
 def test_bad_splits_are_one_clear_error(mesh, bad):
     with pytest.raises(ValueError, match="splits must be positive integers"):
         osdp_jax.plan({"w": jnp.ones((8, 8))}, mesh, budget="1GB", splits=bad)
+
+
+class TiedHead(nn.Module):
+    """A Dense kernel that the model also uses directly (tied output projection)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        h = nn.Embed(toy.VOCAB, 64, name="emb")(tokens)
+        proj = nn.Dense(toy.VOCAB, use_bias=False, name="proj")
+        logits = proj(h)
+        return logits + (h @ proj.variables["params"]["kernel"][:, :64].T)[..., :1]
+
+
+def test_an_unsplit_kernel_used_outside_its_dense_layer_is_gathered_there(mesh):
+    """Sharded per-step kernels reach the model unsplit (k = 1) and are gathered by their dense
+    layer; another use of the same kernel (``.T``, indexing) gathers it there, so the step still
+    equals one device, where a split kernel (k > 1) would raise."""
+    model = TiedHead()
+    params = model.init(jax.random.key(0), jnp.zeros((1, toy.SEQ), jnp.int32))["params"]
+    loss_fn = lambda p, t: jnp.mean(model.apply({"params": p}, t) ** 2)  # noqa: E731
+    batch = toy.tokens()
+    assert discover(loss_fn, params, batch)[1] == {"proj/kernel"}
+    specs = {"emb/embedding": P("data"), "proj/kernel": P("data")}
+    loss, grads = _grads_by_step(params, loss_fn, mesh, specs, {}, batch)
+    ref_loss, ref_g = jax.value_and_grad(loss_fn)(params, batch)
+    assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
+    with pytest.raises(TypeError, match="'proj/kernel' is split by the plan"):
+        _grads_by_step(params, loss_fn, mesh, specs, {"proj/kernel": 2}, batch)
