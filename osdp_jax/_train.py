@@ -176,11 +176,10 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         # (k = 1 in osdp_jax.split), not before the loss: XLA:CPU's scheduler would otherwise
         # gather them at the start of the step and keep them alive through the layer loops.
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-        _, dense = discover(loss_fn, *abstract)
+        layered, dense = discover(loss_fn, *abstract)  # layered: stacked, whatever the plan does
         at_layer = {path: SplitEntry(sharded_dim(specs_by_path[path]), how[path], 1,
                                      axes_size(mesh, how[path].axes), False)
-                    for path in dense if path not in in_loop and path not in split_specs
-                    and how.get(path) is not None}
+                    for path in dense - layered if path not in split_specs and how.get(path) is not None}
         p_specs = spec_tree(params, specs_by_path)
         o_specs = opt_state_specs(optimizer, opt_state, p_specs)
         in_specs = (p_specs, o_specs, batch_specs(batch, axes))

@@ -86,6 +86,25 @@ def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, pres
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
 
 
+def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
+    """Every parameter zero3 but the stacked layer weights gathered before the loss, not per
+    layer (in_loop empty, as gather_memory.py compares): the stacked dense kernels are not
+    handed to their layers unsplit (they are scanned over), and the step equals one device."""
+    from osdp_jax._train import build_step
+    module, cfg, _ = models.get("gpt2-mini")
+    params = models.init_params(module, 16, seed=0)
+    loss_fn = models.make_loss(module)
+    tokens = jax.random.randint(jax.random.key(3), (16, 16), 0, cfg.vocab_size)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones((16, 16))}
+    specs = {i.path: spec_for(i, "zero3", ("data",), 8) or jax.sharding.PartitionSpec()
+             for i in osdp_jax.describe(params)}
+    assert specs["blocks/layers/fc1/kernel"] != jax.sharding.PartitionSpec()  # sharded, gathered per step
+    opt = optax.sgd(0.1)
+    step = jax.jit(build_step(loss_fn, opt, mesh, ("data",), specs))
+    _, _, loss = step(params, opt.init(params), batch)
+    assert float(loss) == pytest.approx(float(loss_fn(params, batch)), rel=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gpt2-48l-1536", "gpt2-48l-2048"])
 def test_fsdp_temp_is_activations_plus_two_layers(preset):
