@@ -150,6 +150,21 @@ def _lay_out(x, sharding: NamedSharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+_DISCOVERED: dict = {}  # (loss_fn, tree structure, shapes) -> discover's answer; the planner compiles
+_DISCOVERED_MAX = 32     # several probe steps of one loss, and each would trace it again (~0.5 s)
+
+
+def _discover_cached(loss_fn, params, batch):
+    leaves, treedef = jax.tree.flatten((params, batch))
+    key = (loss_fn, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    if key not in _DISCOVERED:
+        if len(_DISCOVERED) >= _DISCOVERED_MAX:
+            _DISCOVERED.pop(next(iter(_DISCOVERED)))
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+        _DISCOVERED[key] = discover(loss_fn, *abstract)
+    return _DISCOVERED[key]
+
+
 def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(), splits=None,
                two_stage=frozenset()):
     """An un-jitted step ``(params, opt_state, batch) -> (params, opt_state, loss)``.
@@ -175,8 +190,7 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         # Per-step sharded kernels of dense layers are gathered at the layer, from its input
         # (k = 1 in osdp_jax.split), not before the loss: XLA:CPU's scheduler would otherwise
         # gather them at the start of the step and keep them alive through the layer loops.
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
-        layered, dense = discover(loss_fn, *abstract)  # layered: stacked, whatever the plan does
+        layered, dense = _discover_cached(loss_fn, params, batch)  # layered: stacked kernels
         at_layer = {path: SplitEntry(sharded_dim(specs_by_path[path]), how[path], 1,
                                      axes_size(mesh, how[path].axes), False)
                     for path in dense - layered if path not in split_specs and how.get(path) is not None}

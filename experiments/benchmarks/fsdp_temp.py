@@ -59,6 +59,7 @@ def ablated(embed: bool, at_layer: bool):
     import osdp_jax._embed as E
     import osdp_jax._train as T
     saved = E.intercepting, T.discover
+    T._DISCOVERED.clear()  # discovery answers are cached per loss function
     if not embed:
         E.intercepting = contextlib.nullcontext
     if not at_layer:
@@ -67,6 +68,7 @@ def ablated(embed: bool, at_layer: bool):
         yield
     finally:
         E.intercepting, T.discover = saved
+        T._DISCOVERED.clear()
 
 
 def decompose(module, embed=True, at_layer=True) -> dict:
