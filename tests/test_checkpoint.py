@@ -80,6 +80,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
     _same_run(out, uninterrupted, tmp_path)
 
 
+@pytest.mark.slow  # ~60 s; keeps the default suite near 10 minutes
 def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted):
     out = tmp_path / "killed_in_save"
     # killed inside orbax's commit of checkpoint 4: its data are written, the rename is not done

@@ -31,6 +31,7 @@ def test_two_processes_equal_one(tmp_path):
     assert [p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
 
 
+@pytest.mark.slow  # ~50 s; keeps the default suite near 10 minutes
 def test_a_killed_peer_stops_the_run_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
     launcher = subprocess.Popen(
