@@ -4,8 +4,8 @@ The step runs the user's unmodified ``loss_fn``. Two hooks inside the model cons
 ``osdp_jax.gather_params`` (ZeRO-3 weights gathered one layer at a time inside a layer loop) and
 ``osdp_jax.split.dense`` with the Flax ``Dense``/``Linear`` interception (operator splitting).
 Split kernels reach the model as a :class:`SplitKernel`: this device's ZeRO-3 shard carrying the
-full kernel's shape, so Flax's parameter shape checks pass and any use other than a split dense
-layer fails loudly. During discovery the context recognises parameters by object identity
+full kernel's shape, so Flax's parameter shape checks pass; any use other than a dense layer
+fails loudly for a kernel split in k > 1 slices and gathers an unsplit one (k = 1) there. During discovery the context recognises parameters by object identity
 (``id``) of the traced array, which is how an unmodified layer's kernel is matched to its path.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from typing import NamedTuple
 
 
@@ -72,13 +73,13 @@ class SplitKernel:
     def __getitem__(self, key):  # nnx reads a variable's value as ``var[...]``
         if key is Ellipsis:
             return self
-        return self._misuse()[key]
+        return self.as_array()[key]
 
     def __jax_array__(self):
-        return self._misuse()
+        return self.as_array()
 
-    def __array__(self, *_, **__):
-        self._misuse()
+    def __array__(self, *args, **kwargs):
+        return self.as_array().__array__(*args, **kwargs)
 
     def gathered(self):
         """The whole kernel, all-gathered here (the fallback of an unsplit kernel, k = 1)."""
@@ -92,7 +93,9 @@ class SplitKernel:
             raise AttributeError(name)
         return getattr(self.gathered(), name)
 
-    def _misuse(self):
+    def as_array(self):
+        """The whole kernel, gathered here, for an unsplit kernel (k = 1); a ``TypeError`` naming
+        the kernel for a split one, which only a dense layer can use."""
         if self.spec.k == 1:
             return self.gathered()
         raise TypeError(
@@ -144,3 +147,31 @@ def active(ctx: StepContext):
         yield ctx
     finally:
         ACTIVE.reset(token)
+
+
+_PATCH_LOCK = threading.Lock()
+_PATCHES: dict = {}  # (class, attribute) -> [the original, contexts open]
+
+
+@contextlib.contextmanager
+def patched(cls, name: str, replacement):
+    """``cls.name`` is ``replacement`` while any such context is open (for layers Flax cannot
+    intercept, e.g. ``flax.nnx``); nested and concurrent contexts share one patch."""
+    key = (cls, name)
+    with _PATCH_LOCK:
+        if key not in _PATCHES:
+            _PATCHES[key] = [getattr(cls, name), 0]
+            setattr(cls, name, replacement)
+        _PATCHES[key][1] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCHES[key][1] -= 1
+            if _PATCHES[key][1] == 0:
+                setattr(cls, name, _PATCHES.pop(key)[0])
+
+
+def original(cls, name: str):
+    """The ``cls.name`` that :func:`patched` replaced, for the replacement to fall back on."""
+    return _PATCHES[(cls, name)][0]

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
+
+from ._context import original, patched
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -55,20 +56,15 @@ def _linen_interceptor(next_fun, args, kwargs, context):
             or not module.scope.has_variable("params", "embedding")):
         return next_fun(*args, **kwargs)
     table = module.scope.get_variable("params", "embedding")
-    if not hasattr(table, "dtype"):  # e.g. a split kernel wrapper: leave it to Flax
-        return next_fun(*args, **kwargs)
     (table,) = module.promote_dtype(table, dtype=module.dtype, inexact=False)
     return lookup(table, args[0])
 
 
-_PATCH_LOCK = threading.Lock()
-_PATCH_DEPTH = 0
-_NNX_ORIGINAL = None
-
-
 def _nnx_call(self, inputs, out_sharding=None):
+    from flax import nnx
+
     if out_sharding is not None or self.num_embeddings == 1 or not jnp.issubdtype(inputs.dtype, jnp.integer):
-        return _NNX_ORIGINAL(self, inputs, out_sharding)
+        return original(nnx.Embed, "__call__")(self, inputs, out_sharding)
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
     return lookup(table, inputs)
 
@@ -76,22 +72,8 @@ def _nnx_call(self, inputs, out_sharding=None):
 @contextlib.contextmanager
 def intercepting():
     """While tracing a step: ``flax.linen.Embed`` and ``flax.nnx.Embed`` look up through :func:`lookup`."""
-    global _PATCH_DEPTH, _NNX_ORIGINAL
     from flax import linen as nn
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover
-        nnx = None
-    with _PATCH_LOCK:
-        if nnx is not None and _PATCH_DEPTH == 0:
-            _NNX_ORIGINAL = nnx.Embed.__call__
-            nnx.Embed.__call__ = _nnx_call
-        _PATCH_DEPTH += 1
-    try:
-        with nn.intercept_methods(_linen_interceptor):
-            yield
-    finally:
-        with _PATCH_LOCK:
-            _PATCH_DEPTH -= 1
-            if nnx is not None and _PATCH_DEPTH == 0:
-                nnx.Embed.__call__ = _NNX_ORIGINAL
+    from flax import nnx
+
+    with nn.intercept_methods(_linen_interceptor), patched(nnx.Embed, "__call__", _nnx_call):
+        yield

@@ -8,6 +8,7 @@ from collections import Counter
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ._strategies import sharded_dim
 from ._units import format_bytes
 
 PLAN_FORMAT = 1
@@ -134,7 +135,7 @@ class Plan:
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
         minor = [pp for pp in self.params if pp.strategy != "replicate"
-                 and next(d for d, e in enumerate(pp.spec) if e is not None) > (1 if pp.in_loop else 0)]
+                 and sharded_dim(pp.spec) > (1 if pp.in_loop else 0)]
         if minor:
             pp = minor[0]
             lines += ["", f"note: {len(minor)} sharded parameter(s) split along a later dimension because the "

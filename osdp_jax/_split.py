@@ -33,12 +33,11 @@ shape, so Flax's shape checks pass); any other use of it raises a ``TypeError`` 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import jax
 import jax.numpy as jnp
 
-from ._context import ACTIVE, SplitKernel, SplitSpec
+from ._context import ACTIVE, SplitKernel, SplitSpec, original, patched
 
 
 def matmul(x, shard, spec: SplitSpec, precision=None):
@@ -153,45 +152,20 @@ def _linen_interceptor(next_fun, args, kwargs, context):
     return dense(args[0], kernel, bias, precision=module.precision, dtype=module.dtype)
 
 
-_PATCH_LOCK = threading.Lock()
-_PATCH_DEPTH = 0
-_NNX_ORIGINAL = None
-
-
 def _nnx_call(self, inputs, out_sharding=None):
+    from flax import nnx
+
+    original_call = original(nnx.Linear, "__call__")
     kernel = self.kernel[...]
     _record(kernel)
     if not isinstance(kernel, SplitKernel):
-        return _NNX_ORIGINAL(self, inputs, out_sharding)
+        return original_call(self, inputs, out_sharding)
     if out_sharding is not None or getattr(self, "dot_general", jax.lax.dot_general) is not jax.lax.dot_general:
-        kernel._misuse()  # raises for a split kernel; an unsplit one is gathered by nnx's own code
-        return _NNX_ORIGINAL(self, inputs, out_sharding)
+        kernel.as_array()  # raises for a split kernel; an unsplit one is gathered by nnx's own code
+        return original_call(self, inputs, out_sharding)
     bias = self.bias[...] if self.bias is not None else None
     y = dense(inputs, kernel, bias, precision=self.precision, dtype=self.dtype)
     return y.astype(self.preferred_element_type) if self.preferred_element_type is not None else y
-
-
-@contextlib.contextmanager
-def _nnx_patched():
-    """``flax.nnx.Linear.__call__`` routed through :func:`dense` (nnx has no method interception)."""
-    global _PATCH_DEPTH, _NNX_ORIGINAL
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    with _PATCH_LOCK:
-        if _PATCH_DEPTH == 0:
-            _NNX_ORIGINAL = nnx.Linear.__call__
-            nnx.Linear.__call__ = _nnx_call
-        _PATCH_DEPTH += 1
-    try:
-        yield
-    finally:
-        with _PATCH_LOCK:
-            _PATCH_DEPTH -= 1
-            if _PATCH_DEPTH == 0:
-                nnx.Linear.__call__ = _NNX_ORIGINAL
 
 
 @contextlib.contextmanager
@@ -199,8 +173,11 @@ def intercepting():
     """While tracing a step: ``flax.linen.Dense`` and ``flax.nnx.Linear`` go through :func:`dense`,
     and ``flax.linen.Embed`` and ``flax.nnx.Embed`` through ``_embed.lookup``."""
     from flax import linen as nn
+    from flax import nnx
 
     from . import _embed
 
-    with nn.intercept_methods(_linen_interceptor), _nnx_patched(), _embed.intercepting():
+    # nnx has no method interception: Linear.__call__ is patched while the step is traced
+    with nn.intercept_methods(_linen_interceptor), patched(nnx.Linear, "__call__", _nnx_call), \
+            _embed.intercepting():
         yield

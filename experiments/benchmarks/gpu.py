@@ -75,9 +75,9 @@ def run_one(preset: str, variant: str, batch_size: int, seq: int, steps: int) ->
     else:
         in_loop, splittable = discover(loss_fn, abstract, batch)
         # every parameter "sharded" over the one-device axis: the same code path as zero3
-        specs = {i.path: P(*([None] * (1 if i.path in in_loop else 0)), "data")
-                 for i in osdp_jax.describe(abstract) if len(i.shape) > (1 if i.path in in_loop else 0)}
-        specs.update({i.path: P() for i in osdp_jax.describe(abstract) if i.path not in specs})
+        lead = {i.path: 1 if i.path in in_loop else 0 for i in osdp_jax.describe(abstract)}  # layer axis
+        specs = {i.path: P(*([None] * lead[i.path]), "data") if len(i.shape) > lead[i.path] else P()
+                 for i in osdp_jax.describe(abstract)}
         k = 1 if variant == "split off" else 4
         splits = {p: k for p in splittable if k > 1}
         out.update(split_kernels=len(splits))
