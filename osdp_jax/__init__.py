@@ -12,9 +12,9 @@ from ._hardware import PRESETS, Hardware
 from ._plan import ParamPlan, Plan
 from ._planner import plan
 from ._search import InfeasibleBudgetError
-from ._shard import init_opt_state, shard
+from ._shard import abstract_state, init_opt_state, shard
 from ._strategies import STRATEGIES
-from ._train import make_train_step
+from ._train import make_eval_step, make_train_step
 from ._units import format_bytes, parse_bytes
 from ._xla import StepProfile, profile_compiled, profile_step
 from . import search, split
@@ -22,7 +22,7 @@ from . import search, split
 __version__ = "0.1.0"
 
 __all__ = [
-    "Hardware", "InfeasibleBudgetError", "PRESETS", "ParamInfo", "ParamPlan", "Plan", "STRATEGIES",
-    "StepProfile", "describe", "format_bytes", "gather_params", "init_opt_state", "make_train_step", "parse_bytes",
+    "Hardware", "InfeasibleBudgetError", "abstract_state", "PRESETS", "ParamInfo", "ParamPlan", "Plan", "STRATEGIES",
+    "StepProfile", "describe", "format_bytes", "gather_params", "init_opt_state", "make_eval_step", "make_train_step", "parse_bytes",
     "plan", "profile_compiled", "profile_step", "search", "shard", "split",
 ]

@@ -55,3 +55,25 @@ def init_opt_state(optimizer, params, plan: Plan, mesh):
     specs = opt_state_specs(optimizer, abstract, spec_tree(params, plan.specs_by_path))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def abstract_state(params, plan: Plan, mesh, optimizer=None):
+    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` trees carrying the planned shardings.
+
+    These are the targets orbax restores onto (``ocp.args.StandardRestore(target)``), so a
+    checkpoint written under any mesh or plan comes back laid out as ``plan`` says on ``mesh``;
+    nothing is allocated. ``params`` may be arrays or ``ShapeDtypeStruct``s (any tree type);
+    ``opt_state`` is None without an ``optimizer``.
+    """
+    plan.check_matches(describe(params))
+    p_specs = spec_tree(params, plan.specs_by_path)
+
+    def sds(x, spec):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    params_t = jax.tree.map(sds, abstract, p_specs)
+    if optimizer is None:
+        return params_t, None
+    opt_state = jax.eval_shape(optimizer.init, abstract)
+    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs))

@@ -1,0 +1,253 @@
+"""The train step's contract: replicas stay bit-identical under every plan kind (with a
+cross-parameter optimizer), and aux outputs, per-device rng, mutable collections and the eval step
+equal a single-device reference."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+import osdp_jax
+import toy
+
+N = 8
+
+
+def hand_plan(params, mesh, choose, batch_size, axes=("data",)):
+    """A plan whose per-parameter (strategy, spec, k) come from ``choose(path, shape)``."""
+    base = osdp_jax.plan(params, mesh, budget="100GB", strategies=("replicate",), axis=axes)
+    pps = []
+    for pp in base.params:
+        strategy, spec, k = choose(pp.path, pp.shape)
+        pps.append(dataclasses.replace(pp, strategy=strategy, spec=spec, split=k))
+    return dataclasses.replace(base, params=tuple(pps), batch_size=batch_size)
+
+
+def _zero3(path, shape):
+    return ("zero3", P("data"), 1) if shape and shape[0] % N == 0 else ("replicate", P(), 1)
+
+
+def _mixed(path, shape):  # the kernels sharded, the rest replicated
+    return _zero3(path, shape) if path.endswith("kernel") or path.endswith("embedding") else ("replicate", P(), 1)
+
+
+def _split(path, shape):  # mixed, with the hidden kernels split in two
+    strategy, spec, _ = _mixed(path, shape)
+    k = 2 if strategy == "zero3" and path.endswith("kernel") and shape[0] % (2 * N) == 0 else 1
+    return strategy, spec, k
+
+
+KINDS = {"replicate": lambda path, shape: ("replicate", P(), 1), "zero3": _zero3, "mixed": _mixed,
+         "split": _split, "hsdp": lambda path, shape: ("hsdp", P("data"), 1) if shape and shape[0] % 4 == 0
+         else ("replicate", P(), 1)}
+
+# clipping at a tiny norm is active every step: a per-device norm (of one device's shards) would
+# clip each device differently
+CLIPPED_ADAMW = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def _replicas_identical(tree):
+    """Every copy of every piece of every leaf (shards with the same index) is bit-identical."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array):
+            continue
+        by_index = {}
+        for shard in leaf.addressable_shards:
+            key = tuple((s.start, s.stop) for s in shard.index)
+            by_index.setdefault(key, []).append(np.asarray(shard.data))
+        for copies in by_index.values():
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0], err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_replicas_bit_identical_and_clipping_exact(kind, mesh):
+    params, loss_fn = toy.linen_setup(boxed=False)
+    batch = toy.tokens(32)
+    axes = ("data",)
+    if kind == "hsdp":
+        mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        axes = ("replica", "data")
+    plan = hand_plan(params, mesh, KINDS[kind], 32, axes)
+    if kind == "split":
+        assert plan.splits_by_path, "the split plan splits kernels"
+    sharded = osdp_jax.shard(params, mesh, plan)
+    opt_state = osdp_jax.init_opt_state(CLIPPED_ADAMW, sharded, plan, mesh)
+    step = osdp_jax.make_train_step(loss_fn, CLIPPED_ADAMW, plan, mesh)
+    losses = []
+    for _ in range(4):
+        sharded, opt_state, loss = step(sharded, opt_state, batch)
+        losses.append(float(loss))
+        _replicas_identical((sharded, opt_state))
+    expected, final = toy.single_device_run(params, loss_fn, CLIPPED_ADAMW, batch, 4)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+    # Adam divides by sqrt(v): for near-zero gradients, summation order alone moves an element by
+    # a small fraction of one step (lr = 1e-2), hence the absolute tolerance
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(final)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def _per_device_reference(fn, params, batch, n=N, **kwargs):
+    """Outputs of ``fn`` on each of the n batch slices, stacked (the single-device reference)."""
+    rows = batch.shape[0] // n
+    outs = [fn(params, batch[d * rows:(d + 1) * rows], **{k: v(d) for k, v in kwargs.items()})
+            for d in range(n)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+
+def _with_aux(model_loss):
+    def loss_fn(params, tokens):
+        loss = model_loss(params, tokens)
+        return loss, {"loss_x2": 2 * loss, "count": jnp.sum(tokens >= 0), "first": tokens[:, 0]}
+    return loss_fn
+
+
+@pytest.mark.parametrize("aux", ["mean", "gather"])
+def test_aux_is_reduced_as_documented(mesh, aux):
+    params, model_loss = toy.linen_setup(boxed=False)
+    batch = toy.tokens(32)
+    loss_fn = _with_aux(model_loss)
+    plan = hand_plan(params, mesh, _mixed, 32)
+    sharded = osdp_jax.shard(params, mesh, plan)
+    opt = optax.sgd(0.1)
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh, has_aux=True, aux=aux)
+    _, _, loss, out = step(sharded, osdp_jax.init_opt_state(opt, sharded, plan, mesh), batch)
+    ref = _per_device_reference(lambda p, b: loss_fn(p, b)[1], params, batch)
+    if aux == "mean":
+        np.testing.assert_allclose(out["loss_x2"], 2 * float(loss), rtol=1e-6)
+        np.testing.assert_allclose(out["loss_x2"], ref["loss_x2"].mean(), rtol=1e-5)
+        assert int(out["count"]) == batch.size  # integers are summed
+    else:
+        np.testing.assert_allclose(out["loss_x2"], ref["loss_x2"], rtol=1e-5)  # one per device
+        assert out["count"].tolist() == [batch.size // N] * N
+        np.testing.assert_array_equal(out["first"], batch[:, 0])  # per example, in batch order
+
+
+class DropoutMLP(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, train: bool):
+        h = nn.Embed(toy.VOCAB, 32)(tokens)
+        h = nn.Dropout(0.5, deterministic=not train)(nn.Dense(64)(h))
+        return nn.Dense(toy.VOCAB)(h)
+
+
+def _xent(logits, tokens):
+    targets = jnp.roll(tokens, -1, axis=1)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
+
+
+def test_rng_is_folded_per_device_and_reproducible(mesh):
+    model = DropoutMLP()
+    batch = toy.tokens(32)
+    params = model.init(jax.random.key(0), batch, train=False)["params"]
+
+    def loss_fn(p, tokens, rng):
+        return _xent(model.apply({"params": p}, tokens, train=True, rngs={"dropout": rng}), tokens)
+
+    plan = hand_plan(params, mesh, _mixed, 32)
+    opt = optax.sgd(0.0)  # parameters unchanged: the losses are comparable step by step
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh, rng=True)
+    key = jax.random.key(7)
+
+    def run():
+        p = osdp_jax.shard(params, mesh, plan)
+        o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+        losses = []
+        for i in range(2):
+            p, o, loss = step(p, o, batch, jax.random.fold_in(key, i))
+            losses.append(float(loss))
+        return losses
+
+    first, again = run(), run()
+    assert first == again  # reproducible
+    assert first[0] != first[1]  # a new mask each step
+    for i, got in enumerate(first):
+        ref = _per_device_reference(loss_fn, params, batch,
+                                    rng=lambda d: jax.random.fold_in(jax.random.fold_in(key, i), d))
+        np.testing.assert_allclose(got, float(ref.mean()), rtol=1e-5)
+
+
+class BatchNormMLP(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, train: bool):
+        h = nn.Dense(64)(nn.Embed(toy.VOCAB, 32)(tokens))
+        h = nn.BatchNorm(use_running_average=not train, momentum=0.5)(h)
+        return nn.Dense(toy.VOCAB)(jax.nn.relu(h))
+
+
+def test_mutable_batch_stats_are_averaged_across_devices(mesh):
+    model = BatchNormMLP()
+    batch = toy.tokens(32)
+    variables = model.init(jax.random.key(0), batch, train=False)
+    params, stats = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    def loss_fn(p, tokens, state):
+        logits, new = model.apply({"params": p, **state}, tokens, train=True, mutable=["batch_stats"])
+        return _xent(logits, tokens), (tokens.shape[0], new)
+
+    plan = hand_plan(params, mesh, _zero3, 32)
+    opt = optax.adam(1e-2)
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh, has_aux=True, state=True)
+    p = osdp_jax.shard(params, mesh, plan)
+    o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+    p, o, loss, rows, new_stats = step(p, o, batch, stats)
+    assert int(rows) == 32
+    ref_loss, (_, ref_new) = _per_device_reference(loss_fn, params, batch, state=lambda d: stats)
+    np.testing.assert_allclose(float(loss), float(ref_loss.mean()), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(new_stats), jax.tree.leaves(ref_new)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b).mean(0), rtol=1e-5, atol=1e-7)
+    # the returned statistics feed the next step
+    step(p, o, batch, new_stats)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "split"])
+def test_eval_step_equals_one_device(mesh, kind):
+    params, model_loss = toy.linen_setup(boxed=False)
+    batch = toy.tokens(32)
+    plan = hand_plan(params, mesh, KINDS[kind], 32)
+    sharded = osdp_jax.shard(params, mesh, plan)
+    evaluate = osdp_jax.make_eval_step(lambda p, b: {"loss": model_loss(p, b)}, plan, mesh)
+    np.testing.assert_allclose(float(evaluate(sharded, batch)["loss"]), float(model_loss(params, batch)),
+                               rtol=1e-5)
+    # any batch size the devices divide; params are not donated
+    np.testing.assert_allclose(float(evaluate(sharded, batch[:16])["loss"]),
+                               float(model_loss(params, batch[:16])), rtol=1e-5)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(sharded))
+
+
+def test_other_batch_size_is_refused_unless_allowed(mesh):
+    params, loss_fn = toy.plain_params(layers=1), toy.plain_loss
+    plan = hand_plan(params, mesh, _zero3, 32)
+    opt = optax.sgd(0.1)
+    p = osdp_jax.shard(params, mesh, plan)
+    o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+    with pytest.raises(ValueError, match="made for global batch size 32, got a batch of 16"):
+        osdp_jax.make_train_step(loss_fn, opt, plan, mesh)(p, o, toy.tokens(16))
+    _, _, loss = osdp_jax.make_train_step(loss_fn, opt, plan, mesh, any_batch_size=True)(p, o, toy.tokens(16))
+    assert np.isfinite(float(loss))
+
+
+def test_reusing_donated_params_is_a_clear_error(mesh):
+    params = toy.plain_params(layers=1)
+    plan = hand_plan(params, mesh, _zero3, 32)
+    opt = optax.sgd(0.1)
+    p = osdp_jax.shard(params, mesh, plan)
+    o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+    step = osdp_jax.make_train_step(toy.plain_loss, opt, plan, mesh)
+    step(p, o, toy.tokens(32))
+    with pytest.raises(ValueError, match="donated to an earlier call.*use the params that call returned"):
+        step(p, o, toy.tokens(32))
+
+
+def test_a_tuple_returning_loss_without_has_aux_is_a_clear_error(mesh):
+    params = toy.plain_params(layers=1)
+    plan = hand_plan(params, mesh, _zero3, 32)
+    opt = optax.sgd(0.1)
+    p = osdp_jax.shard(params, mesh, plan)
+    step = osdp_jax.make_train_step(lambda q, b: (toy.plain_loss(q, b), 1.0), opt, plan, mesh)
+    with pytest.raises(TypeError, match="pass has_aux=True"):
+        step(p, osdp_jax.init_opt_state(opt, p, plan, mesh), toy.tokens(32))
