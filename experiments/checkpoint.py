@@ -28,6 +28,20 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used here: another model, a missing one, an existing run."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint directory that orbax lists as complete but that cannot be read back."""
+
+    def __init__(self, path: pathlib.Path, step: int, reason: str):
+        super().__init__(f"checkpoint {path} is damaged: {reason}")
+        self.path, self.step, self.reason = path, step, reason
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return (line[:160] + "...") if len(line) > 160 else line
+
+
 def fingerprint(params) -> list[list]:
     """``[[path, shape, dtype], ...]`` of a params tree: what a checkpoint must match to restore."""
     return [[i.path, list(i.shape), str(i.dtype)] for i in osdp_jax.describe(params)]
@@ -36,11 +50,15 @@ def fingerprint(params) -> list[list]:
 class Checkpoints:
     """The checkpoints of one run directory."""
 
-    def __init__(self, directory: pathlib.Path, keep: int = 2):
+    def __init__(self, directory: pathlib.Path, keep: int = 2, read_only: bool = False):
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=True,
-                                               enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        # read_only: look without touching anything (leftovers of a killed save stay until a
+        # writing manager cleans them)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=not read_only,
+                                               enable_async_checkpointing=False, create=not read_only)
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
@@ -56,14 +74,42 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """Checkpoint ``step``'s JSON meta; a :class:`DamagedCheckpoint` if it cannot be read."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # orbax/tensorstore raise many types, with long texts
+            raise DamagedCheckpoint(self.directory / str(step), step,
+                                    f"its meta cannot be read ({_first_line(e)})") from None
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            raise DamagedCheckpoint(self.directory / str(step), step,
+                                    "its meta does not record this step")
+        return meta
+
+    def validate(self, step: int, expected_fingerprint) -> dict:
+        """Checkpoint ``step``'s meta, after checking what can be checked without reading the
+        arrays: the meta, the model's fingerprint and the state's tree metadata. Raises
+        :class:`DamagedCheckpoint` or, for another model, :class:`CheckpointError`."""
+        meta = self.check_model(step, expected_fingerprint)
+        where = self.directory / str(step)
+        try:
+            state = self.manager.item_metadata(step)["state"]
+        except Exception as e:
+            raise DamagedCheckpoint(where, step, f"its state cannot be read ({_first_line(e)})") from None
+        if state is None or not jax.tree.leaves(state):
+            raise DamagedCheckpoint(where, step, "its state holds no arrays")
+        return meta
 
     def restore(self, step: int, params_target, opt_state_target, expected_fingerprint) -> tuple:
         """``(params, opt_state, meta)`` of checkpoint ``step``, laid out as the targets'
-        shardings (``jax.ShapeDtypeStruct`` with ``sharding``): any mesh, any plan."""
-        meta = self.check_model(step, expected_fingerprint)
-        state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
-            {"params": params_target, "opt_state": opt_state_target})))["state"]
+        shardings (``jax.ShapeDtypeStruct`` with ``sharding``): any mesh, any plan. A checkpoint
+        whose arrays cannot be read raises :class:`DamagedCheckpoint`."""
+        meta = self.validate(step, expected_fingerprint)
+        try:
+            state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+                {"params": params_target, "opt_state": opt_state_target})))["state"]
+        except Exception as e:
+            raise DamagedCheckpoint(self.directory / str(step), step,
+                                    f"its arrays cannot be restored ({_first_line(e)})") from None
         return state["params"], state["opt_state"], meta
 
     def restore_params(self, step: int, abstract_params, optimizer, device=None):

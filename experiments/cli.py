@@ -37,6 +37,9 @@ def _parser():
                            help="save a checkpoint every N steps, and at the end (train.checkpoint_every)")
             c.add_argument("--resume", action="store_true",
                            help="continue from the newest complete checkpoint in --out (any mesh or plan)")
+            c.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                           help="continue from checkpoint STEP (implies --resume); newer checkpoints are "
+                                "moved to OUT/superseded")
             c.add_argument("--init-params", default=None,
                            help="start from parameters exported with 'osdp-jax export' (.npz)")
             c.add_argument("--coordinator", default=None,
@@ -107,20 +110,83 @@ def _export(args) -> int:
     except ConfigError as e:
         print(f"osdp-jax: {e}", file=sys.stderr)
         return 2
-    ckpt = Checkpoints(run / "checkpoints")
+    from .checkpoint import CheckpointError
+    ckpt = Checkpoints(run / "checkpoints", read_only=True)
     try:
-        step = args.step if args.step is not None else ckpt.latest()
-        if step is None or step not in ckpt.steps():
+        steps = ckpt.steps()
+        step = args.step if args.step is not None else (steps[-1] if steps else None)
+        if step is None or step not in steps:
             print(f"osdp-jax: error: no complete checkpoint {'' if step is None else step} in "
-                  f"{run / 'checkpoints'} (has {ckpt.steps()})", file=sys.stderr)
+                  f"{run / 'checkpoints'} (has {steps})", file=sys.stderr)
             return 2
         params = ckpt.restore_params(step, s.abstract_params(), s.optimizer)
+    except CheckpointError as e:
+        older = [x for x in steps if x < step]
+        hint = f"; export an earlier one with --step {older[-1]}" if older else ""
+        print(f"osdp-jax: error: {e}{hint}", file=sys.stderr)
+        return 2
     finally:
         ckpt.close()
     path = export_params(params, pathlib.Path(args.out or run / "params.npz"))
     print(f"wrote {path} (checkpoint step {step}); load it with numpy.load, or train from it with "
           f"--init-params {path}")
     return 0
+
+
+def _train(args, s, out) -> int:
+    """Plan and train; on SIGTERM/SIGINT, checkpoint after the current step and say how to resume."""
+    from . import runner
+    from .preemption import Preempted, Preemption
+    try:
+        with Preemption() as preemption:
+            # before planning: refuse early and write nothing (an existing run, nothing to resume, a
+            # damaged or foreign checkpoint)
+            point = runner.check_run_dir(s, out, args.resume, args.resume_from)
+            plan = runner.reusable_plan(s, point)
+            if plan is not None:
+                print(f"reusing the plan of checkpoint {point.step} (same config)", flush=True)
+            else:
+                plan = runner.make_plan(s)
+            print(plan.summary(), flush=True)
+            summary = runner.train(s, out, plan=plan, resume=args.resume, resume_from=args.resume_from,
+                                   init_params=pathlib.Path(args.init_params) if args.init_params else None,
+                                   preemption=preemption)
+    except Preempted as e:
+        import signal
+        name = signal.Signals(e.signum).name
+        if e.step is None:
+            print(f"\nosdp-jax: interrupted by {name} before training started; nothing was saved",
+                  file=sys.stderr, flush=True)
+        else:
+            again = " ".join(["osdp-jax", "train", args.config, "--out", str(out), "--resume",
+                              *_passed_overrides()])
+            print(f"\nosdp-jax: interrupted by {name}: checkpoint of step {e.step} saved in "
+                  f"{out / 'checkpoints' / str(e.step)}; resume with: {again}", file=sys.stderr, flush=True)
+        return e.exit_code
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}/plan.json, metrics.jsonl, summary.json")
+    return 0
+
+
+_ARGV: list[str] = []  # this invocation's arguments, for the resume hint
+
+
+def _passed_overrides() -> list[str]:
+    """The ``--section.key=value`` and ``--steps``-like flags of this invocation, to repeat on resume."""
+    keep, skip = [], {"--out", "--resume", "--resume-from", "--init-params"}
+    i = 0
+    argv = _ARGV[2:]  # after "train CONFIG"
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        takes_value = "=" not in a and name not in ("--resume",) and i + 1 < len(argv) \
+            and not argv[i + 1].startswith("--")
+        if name not in skip:
+            keep.append(a)
+            if takes_value:
+                keep.append(argv[i + 1])
+        i += 2 if takes_value else 1
+    return keep
 
 
 def _one_device(cfg):
@@ -184,6 +250,7 @@ def _launch(argv) -> int:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    _ARGV[:] = argv
     if argv[:1] == ["launch"]:
         return _launch(argv)
     args_list, overrides = _split_overrides(argv)
@@ -233,13 +300,7 @@ def main(argv=None):
             print(plan.summary())
             print(f"\nwrote {out / 'plan.json'}")
         elif args.command == "train":
-            runner.check_run_dir(s, out, args.resume)  # before planning: refuse early, write nothing
-            plan = runner.make_plan(s)
-            print(plan.summary(), flush=True)
-            summary = runner.train(s, out, plan=plan, resume=args.resume,
-                                   init_params=pathlib.Path(args.init_params) if args.init_params else None)
-            print(json.dumps(summary, indent=1))
-            print(f"wrote {out}/plan.json, metrics.jsonl, summary.json")
+            return _train(args, s, out)
         else:
             runner.compare(s, out, measure_steps=args.measure_steps)
             print((out / "comparison.md").read_text())

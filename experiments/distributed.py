@@ -66,11 +66,35 @@ def launch(config: str, processes: int, devices_per_process: int, extra: list[st
         cmd = [sys.executable, "-m", "experiments.cli", "train", config, "--coordinator", coordinator,
                "--num-processes", str(processes), "--process-id", str(i),
                "--devices", str(devices_per_process), *extra]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=None if i == 0 else subprocess.DEVNULL))
+        # their own session: a Ctrl-C in the terminal reaches the launcher alone, which forwards
+        # exactly one SIGTERM to each process (a second signal would make them exit at once)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=None if i == 0 else subprocess.DEVNULL,
+                                      start_new_session=True))
         print(f"osdp-jax launch: process {i} pid {procs[-1].pid}", file=sys.stderr, flush=True)
+    stopping: list[int] = []  # the signal the launcher got, forwarded to every process
+
+    def forward(signum, frame):
+        if stopping:  # a second signal: stop them now
+            _stop(procs, grace_s=0.0)
+            os._exit(128 + signum)
+        stopping.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
             codes = [p.poll() for p in procs]
+            if stopping:
+                # every process checkpoints after the step they agree on, then exits
+                if all(c is not None for c in codes):
+                    name = signal.Signals(stopping[0]).name
+                    print(f"osdp-jax launch: {name}: all {processes} processes stopped (exit codes {codes})",
+                          file=sys.stderr, flush=True)
+                    return 128 + stopping[0]
+                time.sleep(poll_s)
+                continue
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 # a peer's death makes the others fail in their next collective: within one poll
@@ -83,9 +107,9 @@ def launch(config: str, processes: int, devices_per_process: int, extra: list[st
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
+    finally:
+        for s_, h in previous.items():
+            signal.signal(s_, h)
 
 
 def _stop(procs, grace_s: float = 5.0):

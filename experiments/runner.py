@@ -145,25 +145,102 @@ def _write_json(path: pathlib.Path, obj):
     tmp.replace(path)
 
 
-def check_run_dir(s: Setup, out: pathlib.Path, resume: bool) -> int | None:
-    """The newest complete checkpoint in ``out`` to resume from (None: start afresh), or a
-    ``CheckpointError`` before anything is planned or written: checkpoints there but no
-    ``resume``, or checkpoints of another model."""
-    from .checkpoint import CheckpointError, Checkpoints, fingerprint
-    if not (out / "checkpoints").is_dir():
-        return None
-    ckpt = Checkpoints(out / "checkpoints")
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues: a checkpoint that passed :meth:`Checkpoints.validate`."""
+
+    step: int
+    meta: dict
+    superseded: tuple[int, ...] = ()  # newer checkpoints, moved aside when resuming from an older one
+
+
+def _damaged(e, out: pathlib.Path, fp) -> Exception:
+    """The one-line error for a damaged checkpoint: which one, and the previous complete one."""
+    from .checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint
+    ckpt = Checkpoints(out / "checkpoints", read_only=True)
     try:
-        latest = ckpt.latest()
-        if latest is None:
-            return None
-        if not resume:
-            raise CheckpointError(f"{out} already holds checkpoints (newest: step {latest}); pass --resume "
-                                  f"to continue that run, or choose another --out")
-        ckpt.check_model(latest, fingerprint(s.abstract_params()))
-        return latest
+        for step in reversed([x for x in ckpt.steps() if x < e.step]):
+            try:
+                ckpt.validate(step, fp)
+            except CheckpointError:
+                continue
+            return DamagedCheckpoint(e.path, e.step, (
+                f"{e.reason}. The previous complete checkpoint is step {step}: pass --resume-from {step} "
+                f"to continue from it (newer checkpoints are then moved to {out / 'superseded'}); nothing "
+                f"was changed"))
     finally:
         ckpt.close()
+    return DamagedCheckpoint(e.path, e.step, f"{e.reason}, and no earlier checkpoint can be read: start a "
+                                             f"new run with another --out; nothing was changed")
+
+
+def check_run_dir(s: Setup, out: pathlib.Path, resume: bool, resume_from: int | None = None) -> ResumePoint | None:
+    """The checkpoint in ``out`` to resume from (None: start afresh), checked before anything is
+    planned or written, or a ``CheckpointError``: checkpoints there but no ``resume``; ``resume``
+    with nothing to resume; a checkpoint of another model; a damaged newest checkpoint (naming the
+    previous complete one, which ``resume_from`` selects)."""
+    from .checkpoint import CheckpointError, Checkpoints, DamagedCheckpoint, fingerprint
+    resume = resume or resume_from is not None
+    directory = out / "checkpoints"
+    steps, ckpt = [], None
+    if directory.is_dir():
+        ckpt = Checkpoints(directory, read_only=True)
+        steps = ckpt.steps()
+    try:
+        if not steps:
+            if resume:
+                raise CheckpointError(f"nothing to resume: {directory} holds no complete checkpoint; drop "
+                                      f"--resume to start a new run in {out}")
+            return None
+        if not resume:
+            raise CheckpointError(f"{out} already holds checkpoints (newest: step {steps[-1]}); pass --resume "
+                                  f"to continue that run, or choose another --out")
+        fp = fingerprint(s.abstract_params())
+        if resume_from is not None and resume_from not in steps:
+            raise CheckpointError(f"--resume-from {resume_from}: {directory} has no complete checkpoint of "
+                                  f"that step (it has steps {steps})")
+        step = steps[-1] if resume_from is None else resume_from
+        try:
+            meta = ckpt.validate(step, fp)
+        except DamagedCheckpoint as e:
+            raise _damaged(e, out, fp) from None
+        return ResumePoint(step, meta, tuple(x for x in steps if x > step))
+    finally:
+        if ckpt:
+            ckpt.close()
+
+
+_PLAN_SECTIONS = ("model", "data", "mesh", "plan", "optim")  # what a plan depends on
+
+
+def reusable_plan(s: Setup, point: ResumePoint | None) -> osdp_jax.Plan | None:
+    """The plan a checkpoint was trained under, when the config is the same in every section a plan
+    depends on (the device count comes with ``mesh``): resuming under it replays the same compiled
+    step, so the run is bit-identical to an uninterrupted one, and nothing is planned again."""
+    if point is None or "plan" not in point.meta or "config" not in point.meta:
+        return None
+    now, then = to_dict(s.cfg), point.meta["config"]
+    if any(now.get(k) != then.get(k) for k in _PLAN_SECTIONS):
+        return None
+    try:
+        return osdp_jax.Plan.from_json(json.dumps(point.meta["plan"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _read_metrics(path: pathlib.Path, before: int) -> list[dict]:
+    """The logged steps before ``before``; a line cut short by a kill ends the log."""
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            if row["step"] < before:
+                rows.append(row)
+        except (ValueError, KeyError, TypeError):
+            break
+    return rows
 
 
 def _params_finite(params) -> bool:
@@ -172,50 +249,65 @@ def _params_finite(params) -> bool:
 
 def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progress=True,
           write=True, resume: bool = False, init_params: pathlib.Path | None = None,
-          on_step=None) -> dict:
+          on_step=None, resume_from: int | None = None, preemption=None) -> dict:
     """Plan (unless given), train ``train.steps`` steps, and write plan/metrics/summary to ``out``.
 
     With ``write``, checkpoints go to ``out/checkpoints`` every ``train.checkpoint_every`` steps
-    and at the end. ``resume`` continues from the newest complete one (on any mesh or plan);
+    and at the end. ``resume`` continues from the newest complete checkpoint (``resume_from``:
+    from that step; newer checkpoints are moved to ``out/superseded``), on any mesh or plan;
     without it, a directory that already holds checkpoints is refused, so nothing is
-    overwritten. ``init_params``: start from an exported ``.npz`` instead of a random init.
-    ``on_step(step)`` is called after each completed step (tests use it to kill a run).
+    overwritten. The checkpoint is restored before any file is written. ``init_params``: start
+    from an exported ``.npz`` instead of a random init. ``on_step(step)`` is called after each
+    completed step (tests use it to kill a run). ``preemption``: a
+    :class:`~experiments.preemption.Preemption`; when it has caught a signal, the run writes a
+    checkpoint after the current step and raises ``Preempted``.
     """
     from tqdm.auto import tqdm
 
-    from .checkpoint import Checkpoints, fingerprint, import_params
+    from .checkpoint import Checkpoints, DamagedCheckpoint, fingerprint, import_params
+    from .preemption import Preempted
     cfg = s.cfg
-    latest = check_run_dir(s, out, resume) if write else None
-    plan = plan or make_plan(s)
+    point = check_run_dir(s, out, resume, resume_from) if write else None
+    plan = plan or reusable_plan(s, point) or make_plan(s)
     _same_on_every_process(plan)
     b = plan.batch_size
     abstract = s.abstract_params()
-    ckpt = Checkpoints(out / "checkpoints", keep=cfg.train.keep_checkpoints) if write else None
     lead = jax.process_index() == 0  # with several processes, one writes the files
     batch_of = _batches(s, plan.axes, b)
     start, meta = 0, None
+    step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
+    p_target, o_target = osdp_jax.abstract_state(abstract, plan, s.mesh, s.optimizer)
+    if point is not None:
+        # reshard on restore: the targets carry this run's mesh and plan; nothing is written before
+        reader = Checkpoints(out / "checkpoints", read_only=True)
+        try:
+            params, opt_state, meta = reader.restore(point.step, p_target, o_target, fingerprint(abstract))
+        except DamagedCheckpoint as e:
+            raise _damaged(e, out, fingerprint(abstract)) from None
+        finally:
+            reader.close()
+        start = meta["step"]
+    else:
+        host = (import_params(init_params, abstract) if init_params
+                else models.init_params(s.module, s.seq_len, cfg.train.seed))
+        params = osdp_jax.shard(host, s.mesh, plan)
+        opt_state = osdp_jax.init_opt_state(s.optimizer, params, plan, s.mesh)
+    if write and lead:
+        out.mkdir(parents=True, exist_ok=True)
+        if point is not None and point.superseded:
+            aside = out / "superseded"
+            aside.mkdir(exist_ok=True)
+            for st in point.superseded:
+                (out / "checkpoints" / str(st)).rename(aside / f"{st}-{time.strftime('%Y%m%d-%H%M%S')}")
+            if progress:
+                print(f"moved the checkpoints after step {point.step} ({list(point.superseded)}) to {aside}",
+                      flush=True)
+        _write_json(out / "plan.json", json.loads(plan.to_json()))
+        _write_json(out / "config.json", to_dict(cfg))
+    if point is not None and progress and lead:
+        print(f"resuming from {out / 'checkpoints' / str(point.step)} (step {start})", flush=True)
+    ckpt = Checkpoints(out / "checkpoints", keep=cfg.train.keep_checkpoints) if write else None
     try:
-        if write and lead:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "plan.json").write_text(plan.to_json())
-            (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-        step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
-        from osdp_jax._train import abstract_args
-        p_target, o_target, _ = abstract_args(s.optimizer, abstract, s.abstract_batch(b), s.mesh,
-                                              plan.axes, plan.specs_by_path)
-        if latest is not None:
-            # reshard on restore: the targets carry this run's mesh and plan
-            params, opt_state, meta = ckpt.restore(latest, p_target, o_target, fingerprint(abstract))
-            start = meta["step"]
-            if progress and lead:
-                print(f"resuming from {ckpt.directory / str(latest)} (step {start})", flush=True)
-        else:
-            if resume and progress and lead:
-                print(f"no complete checkpoint in {out / 'checkpoints'}: starting from step 0", flush=True)
-            host = (import_params(init_params, abstract) if init_params
-                    else models.init_params(s.module, s.seq_len, cfg.train.seed))
-            params = osdp_jax.shard(host, s.mesh, plan)
-            opt_state = osdp_jax.init_opt_state(s.optimizer, params, plan, s.mesh)
         # compile once, read XLA's per-device figures, and train with that executable
         compiled = step_fn.lower(params, opt_state, batch_of(0)).compile()
         xla = osdp_jax.profile_compiled(compiled)
@@ -238,9 +330,7 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
                 "rng": {"seed": cfg.train.seed}})
 
         # metrics of the steps before ``start`` (a killed run may have logged steps past its checkpoint)
-        old = []
-        if write and lead and start and (out / "metrics.jsonl").exists():
-            old = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["step"] < start]
+        old = _read_metrics(out / "metrics.jsonl", start) if write and lead and start else []
         losses, times = [r["loss"] for r in old], []
         metrics = None
         if write and lead:
@@ -248,6 +338,8 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
             metrics.writelines(json.dumps(r) + "\n" for r in old)
         bar = tqdm(range(start, cfg.train.steps), desc="train", disable=not (progress and lead), mininterval=0.5,
                    initial=start, total=cfg.train.steps)
+        if preemption is not None:
+            preemption.deferred = True  # a signal from here on stops after the current step
         try:
             for step in bar:
                 batch = batch_of(step)
@@ -270,6 +362,11 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{b / dt:.0f}")
                 if on_step:
                     on_step(step)
+                signum = preemption.agreed() if preemption is not None else None
+                if signum and step + 1 < cfg.train.steps:
+                    save(step + 1)
+                    bar.close()
+                    raise Preempted(signum, step + 1 if ckpt else None)
         finally:
             if metrics:
                 metrics.close()

@@ -1,7 +1,12 @@
-"""Eight simulated CPU devices for every test (set before JAX touches a device)."""
+"""Eight simulated CPU devices for every test (set before JAX touches a device), and one persistent
+XLA compilation cache for the session: many tests compile the same steps (the planner's probes of
+one model, a run and its resumed run), and the subprocesses they start inherit the cache."""
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="osdp-jax-tests-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -1,7 +1,12 @@
 """Checkpoints: exact resume after SIGKILL, a kill during a save, resharding on restore, export,
 and the errors for a checkpoint of another model, an existing run and a non-finite loss."""
+import dataclasses
+import hashlib
 import json
 import os
+import random
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,34 +17,74 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import osdp_jax
 from experiments import cli, config, runner
 from experiments.checkpoint import Checkpoints, fingerprint
 
 CONFIG = "experiments/gpt2_mini.toml"
-ARGS = ["--steps", "6", "--checkpoint-every", "2", "--plan.batch_sizes=32", "--plan.splits=1"]
+ARGS = ["--steps", "12", "--checkpoint-every", "3", "--plan.batch_sizes=32", "--budget", "1.35MiB"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPLIT = ("blocks/layers/fc1/kernel", "blocks/layers/fc2/kernel")
 
 
-def _run_killed(out, kill_code: str):
-    """Train CONFIG in a fresh process that SIGKILLs itself where ``kill_code`` says."""
+def _setup(args=ARGS):
+    overrides = {"train.steps": args[1], "train.checkpoint_every": args[3]}
+    overrides.update(a[2:].split("=", 1) for a in args if a.startswith("--plan."))
+    if "--budget" in args:
+        overrides["plan.budget"] = args[args.index("--budget") + 1]
+    return runner.setup(config.load(CONFIG, overrides))
+
+
+@pytest.fixture(scope="module")
+def split_plan(tmp_path_factory):
+    """The planner's mixed plan for ARGS, with the layer stack's FFN kernels zero3 in 2 slices: a
+    mixed plan with split kernels (at this size the planner alone would not split)."""
+    plan = runner.make_plan(_setup())
+    pps = tuple(dataclasses.replace(pp, strategy="zero3", spec=P(None, "data"), split=2)
+                if pp.path in SPLIT else pp for pp in plan.params)
+    plan = dataclasses.replace(plan, params=pps)
+    assert plan.counts()["replicate"] and plan.counts()["zero3"] and len(plan.splits_by_path) == 2
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    path.write_text(plan.to_json())
+    return path
+
+
+def _run_killed(out, kill_code: str, plan_file=None, args=ARGS, setup_code=""):
+    """Train in a fresh process that SIGKILLs itself where ``kill_code`` says: through the CLI, or
+    under the plan in ``plan_file`` with ``runner.train``."""
+    run = (f"cli.main(['train', {CONFIG!r}, '--out', {str(out)!r}, *{args!r}])" if plan_file is None else
+           f"runner.train(_setup({args!r}), pathlib.Path({str(out)!r}), "
+           f"plan=osdp_jax.Plan.from_json(open({str(plan_file)!r}).read()), progress=False)")
     script = "\n".join([
-        "import os, signal",
+        "import os, pathlib, signal, sys",
         'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"',
         "import jax",
         'jax.config.update("jax_num_cpu_devices", 8)',
+        f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})",
+        "import osdp_jax",
         "from experiments import cli, runner",
+        "from test_checkpoint import _setup",
         "def die():",
         "    os.kill(os.getpid(), signal.SIGKILL)",
         textwrap.dedent(kill_code),
-        f"cli.main(['train', {CONFIG!r}, '--out', {str(out)!r}, *{ARGS!r}])",
+        run,
     ])
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr[-2000:]
 
 
-def _export(run, tmp_path, name):
+def _kill_after(step: int) -> str:
+    return f"""
+        original = runner.train
+        def train(*a, **kw):
+            return original(*a, **kw, on_step=lambda s: die() if s == {step} else None)
+        runner.train = train
+    """
+
+
+def _export(run, tmp_path, name, step=None):
     path = tmp_path / f"{name}.npz"
-    assert cli.main(["export", str(run), "--out", str(path)]) == 0
+    assert cli.main(["export", str(run), "--out", str(path), *(["--step", str(step)] if step else [])]) == 0
     with np.load(path) as f:
         return dict(f)
 
@@ -49,55 +94,92 @@ def _losses(run):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(tmp_path_factory, split_plan):
     out = tmp_path_factory.mktemp("ckpt") / "full"
-    assert cli.main(["train", CONFIG, "--out", str(out), *ARGS]) == 0
+    runner.train(_setup(), out, plan=osdp_jax.Plan.from_json(split_plan.read_text()), progress=False)
     return out
 
 
-def _same_run(run, reference, tmp_path):
-    assert _losses(run) == pytest.approx(_losses(reference), rel=1e-6, abs=0)
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(6))
+def _same_run(run, reference, tmp_path, steps=12):
+    """Bit-identical: every logged loss, and every exported parameter."""
+    assert _losses(run) == _losses(reference)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(steps))
     mine, theirs = _export(run, tmp_path, "mine"), _export(reference, tmp_path, "theirs")
     assert mine.keys() == theirs.keys()
     for k in mine:
-        np.testing.assert_allclose(mine[k], theirs[k], rtol=1e-6, atol=0)
+        np.testing.assert_array_equal(mine[k], theirs[k], err_msg=k)
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, uninterrupted, split_plan):
+    # a mixed plan with split kernels, killed after an arbitrary step: the checkpoint before it
+    # exists, and the steps after the checkpoint were logged past it
+    step = random.Random().randrange(3, 11)
     out = tmp_path / "killed"
-    # killed after step index 2 ran (3 steps done): checkpoint 2 exists, and the metrics of step
-    # index 2 were logged past it
-    _run_killed(out, """
-        original = runner.train
-        def train(*a, **kw):
-            return original(*a, **kw, on_step=lambda step: die() if step == 2 else None)
-        runner.train = train
-    """)
-    assert Checkpoints(out / "checkpoints").steps() == [2]
-    assert cli.main(["train", CONFIG, "--out", str(out), *ARGS, "--resume"]) == 0
-    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+    _run_killed(out, _kill_after(step), plan_file=split_plan)
+    assert Checkpoints(out / "checkpoints").latest() == (step + 1) // 3 * 3, step
+    assert cli.main(["train", CONFIG, "--out", str(out), *ARGS, "--resume"]) == 0  # reuses the plan
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == (step + 1) // 3 * 3 and summary["splits"], step
     _same_run(out, uninterrupted, tmp_path)
 
 
+def test_sigterm_checkpoints_the_step_and_resumes_bit_identical(tmp_path, uninterrupted, split_plan,
+                                                                 monkeypatch, capsys):
+    out = tmp_path / "preempted"
+    monkeypatch.setattr(runner, "make_plan", lambda s: osdp_jax.Plan.from_json(split_plan.read_text()))
+    original = runner.train
+
+    def train(*a, **kw):  # SIGTERM, as a scheduler sends it, during step 4
+        return original(*a, **kw, on_step=lambda s: os.kill(os.getpid(), signal.SIGTERM) if s == 4 else None)
+    monkeypatch.setattr(runner, "train", train)
+    assert cli.main(["train", CONFIG, "--out", str(out), *ARGS]) == 128 + signal.SIGTERM
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("osdp-jax")]
+    assert len(err) == 1 and "interrupted by SIGTERM: checkpoint of step 5 saved" in err[0], err
+    assert f"--out {out} --resume" in err[0]
+    assert Checkpoints(out / "checkpoints").steps() == [3, 5]  # step 5 is not a multiple of 3
+    monkeypatch.setattr(runner, "train", original)
+    monkeypatch.setattr(runner, "make_plan", lambda s: pytest.fail("the resumed run re-planned"))
+    assert cli.main(["train", CONFIG, "--out", str(out), *ARGS, "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 5
+    _same_run(out, uninterrupted, tmp_path)
+
+
+def test_main_job_config_as_shipped_resumes_bit_identical(tmp_path):
+    """The README's main job (its mixed plan at batch 256, AdamW with clipping), killed at a random
+    step and resumed, ends bit-identical to an uninterrupted run of the same length."""
+    args = ["--steps", "16", "--checkpoint-every", "4"]
+    full = tmp_path / "full"
+    assert cli.main(["train", CONFIG, "--out", str(full), *args]) == 0
+    counts = json.loads((full / "summary.json").read_text())["strategies"]
+    assert counts.get("replicate") and counts.get("zero3"), counts  # a mixed plan
+    step = random.Random().randrange(4, 15)
+    out = tmp_path / "killed"
+    _run_killed(out, _kill_after(step), args=args)
+    assert cli.main(["train", CONFIG, "--out", str(out), *args, "--resume"]) == 0
+    assert _losses(out) == _losses(full), step
+    mine, theirs = _export(out, tmp_path, "mine"), _export(full, tmp_path, "theirs")
+    for k in mine:
+        np.testing.assert_array_equal(mine[k], theirs[k], err_msg=f"{k} (killed after step {step})")
+
+
 @pytest.mark.slow  # ~60 s; keeps the default suite near 10 minutes
-def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted):
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted, split_plan):
     out = tmp_path / "killed_in_save"
-    # killed inside orbax's commit of checkpoint 4: its data are written, the rename is not done
+    # killed inside orbax's commit of checkpoint 6: its data are written, the rename is not done
     _run_killed(out, """
         from orbax.checkpoint._src.path import atomicity
         finalize = atomicity.AtomicRenameTemporaryPath.finalize
         async def dying_finalize(self, *a, **kw):
-            if "4" in str(self._final_path).rsplit("/", 1)[-1]:
+            if "6" in str(self._final_path).rsplit("/", 1)[-1]:
                 die()
             return await finalize(self, *a, **kw)
         atomicity.AtomicRenameTemporaryPath.finalize = dying_finalize
-    """)
+    """, plan_file=split_plan)
     leftovers = [p.name for p in (out / "checkpoints").iterdir()]
     assert any("tmp" in name for name in leftovers), leftovers  # the half-written save is there...
-    assert Checkpoints(out / "checkpoints").steps() == [2]  # ...and is not taken for a checkpoint
+    assert Checkpoints(out / "checkpoints").steps() == [3]  # ...and is not taken for a checkpoint
     assert cli.main(["train", CONFIG, "--out", str(out), *ARGS, "--resume"]) == 0
-    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 3
     _same_run(out, uninterrupted, tmp_path)
 
 
@@ -120,7 +202,7 @@ def test_restore_on_four_devices_under_another_plan(uninterrupted):
     shard4 = lambda x: P("data") if x.shape and x.shape[0] % 4 == 0 else P()  # noqa: E731
     params, opt_state, meta = ckpt.restore(step, *targets(four, shard4), fingerprint(abstract))
     ckpt.close()
-    assert meta["step"] == step == 6
+    assert meta["step"] == step == 12
     leaves = jax.tree.leaves(params)
     assert any(len(x.sharding.device_set) == 4 and not x.sharding.is_fully_replicated for x in leaves)
     for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((saved, saved_opt))):
@@ -132,7 +214,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, uninterrupted, capsys)
                      "--steps", "8", "--plan.batch_sizes=32"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "is of another model" in err and len(err.splitlines()) == 1
-    assert Checkpoints(uninterrupted / "checkpoints").steps() == [4, 6]  # nothing lost
+    assert Checkpoints(uninterrupted / "checkpoints").steps() == [9, 12]  # nothing lost
 
 
 def test_existing_run_without_resume_is_refused(uninterrupted, capsys):
@@ -170,3 +252,98 @@ def test_export_and_import_round_trip(tmp_path, uninterrupted):
     assert first < _losses(uninterrupted)[0]
     assert sorted(exported) == sorted(p for p, *_ in fingerprint(
         runner.setup(config.load(CONFIG)).abstract_params()))
+
+
+# --- damaged and missing checkpoints: one line, exit code 2, nothing changed on disk -------------
+
+def _snapshot(directory):
+    """Every file and folder under ``directory``, with each file's bytes hashed."""
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        for d in dirs:
+            found[os.path.relpath(os.path.join(root, d), directory)] = "dir"
+        for f in files:
+            path = os.path.join(root, f)
+            with open(path, "rb") as fh:
+                found[os.path.relpath(path, directory)] = hashlib.sha256(fh.read()).hexdigest()
+    return found
+
+
+def _truncate_arrays(step_dir):
+    for root, _, files in os.walk(step_dir / "state"):
+        for f in files:
+            if "/d" in root.replace(str(step_dir), ""):  # the array data files
+                path = os.path.join(root, f)
+                with open(path, "r+b") as fh:
+                    fh.truncate(os.path.getsize(path) // 2)
+
+
+DAMAGE = {
+    "meta deleted": lambda d: shutil.rmtree(d / "meta"),
+    "meta not json": lambda d: (d / "meta" / "metadata").write_text("{not json"),
+    "state deleted": lambda d: shutil.rmtree(d / "state"),
+    "state metadata deleted": lambda d: (d / "state" / "_METADATA").unlink(),
+    "array data truncated": _truncate_arrays,
+    "manifest deleted": lambda d: [p.unlink() for p in (d / "state").rglob("manifest.ocdbt")],
+}
+
+
+def _one_error(capsys) -> str:
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
+           if line.strip() and "it/s]" not in line and "s/it]" not in line]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_newest_checkpoint_is_one_line_and_changes_nothing(tmp_path, uninterrupted, damage, capsys,
+                                                                   monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    DAMAGE[damage](run / "checkpoints" / "12")
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume"]) == 2
+    err = _one_error(capsys)
+    assert f"checkpoint {run / 'checkpoints' / '12'} is damaged" in err, err
+    assert "--resume-from 9" in err and "nothing was changed" in err, err
+    assert _snapshot(run) == before
+    assert cli.main(["export", str(run)]) == 2
+    err = _one_error(capsys)
+    assert "is damaged" in err and "--step 9" in err, err
+    assert _snapshot(run) == before
+
+
+def test_resume_from_the_previous_checkpoint_moves_the_damaged_one_aside(tmp_path, uninterrupted, monkeypatch,
+                                                                         capsys):
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() + '{"step": 12, "lo')  # cut short
+    _truncate_arrays(run / "checkpoints" / "12")
+    monkeypatch.setattr(runner, "make_plan", lambda s: pytest.fail("the resumed run re-planned"))
+    assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume-from", "9"]) == 0
+    assert "moved the checkpoints after step 9 ([12])" in capsys.readouterr().out
+    assert [p.name.split("-")[0] for p in (run / "superseded").iterdir()] == ["12"]  # kept, not deleted
+    _same_run(run, uninterrupted, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["no checkpoints folder", "empty checkpoints folder", "only a killed save"])
+def test_resume_with_nothing_to_resume_is_refused_before_planning(tmp_path, case, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    if case != "no checkpoints folder":
+        (run / "checkpoints").mkdir()
+    if case == "only a killed save":
+        (run / "checkpoints" / "3.orbax-checkpoint-tmp-1234").mkdir()
+    before = _snapshot(run)
+    monkeypatch.setattr(runner, "make_plan", lambda s: pytest.fail("planned before refusing"))
+    assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume"]) == 2
+    assert "nothing to resume" in _one_error(capsys)
+    assert _snapshot(run) == before
+
+
+def test_resume_from_a_step_that_is_not_there(tmp_path, uninterrupted, capsys):
+    before = _snapshot(uninterrupted)
+    assert cli.main(["train", CONFIG, "--out", str(uninterrupted), *ARGS, "--resume-from", "7"]) == 2
+    assert "no complete checkpoint of that step (it has steps [9, 12])" in _one_error(capsys)
+    assert _snapshot(uninterrupted) == before

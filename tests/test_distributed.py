@@ -84,3 +84,56 @@ def test_a_peer_that_never_shows_up_stops_the_process():
     assert "within 5 s" in done.stderr and "same --coordinator and --num-processes" in done.stderr
     assert "DEADLINE_EXCEEDED" in done.stderr
     assert took < 60, took
+
+
+def _start_and_wait_for_steps(cmd, out, steps=2, timeout=300):
+    """Start ``cmd`` (stderr piped) and return it once ``out/metrics.jsonl`` has ``steps`` lines."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().count("\n") >= steps):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the run never started: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return proc
+
+
+def test_sigterm_under_launch_checkpoints_one_agreed_step_and_resumes(tmp_path):
+    """SIGTERM to the launcher: every process stops after the same step, one checkpoint is written
+    together, and the run resumes from it."""
+    out = tmp_path / "run"
+    launcher = _start_and_wait_for_steps(
+        [sys.executable, "-m", "experiments.cli", "launch", "--processes", "2", CONFIG, "--steps", "100000",
+         "--out", str(out), *FLAGS], out)
+    launcher.send_signal(signal.SIGTERM)
+    err = launcher.communicate(timeout=120)[1]
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "all 2 processes stopped (exit codes [143, 143])" in err, err[-2000:]
+    steps = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1, steps
+    assert f"checkpoint of step {steps[0]} saved" in err
+    logged = (out / "metrics.jsonl").read_text().count("\n")
+    assert logged == steps[0]  # process 0 logged exactly the steps the checkpoint holds
+    assert cli.main(["launch", "--processes", "2", CONFIG, "--steps", str(steps[0] + 2), "--out", str(out),
+                     *FLAGS, "--resume"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == steps[0] and summary["steps"] == steps[0] + 2
+
+
+def test_a_second_signal_exits_at_once_and_keeps_the_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    proc = _start_and_wait_for_steps(
+        [sys.executable, "-m", "experiments.cli", "train", CONFIG, "--steps", "100000", "--checkpoint-every", "1",
+         "--out", str(out), *FLAGS], out, steps=3)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "second SIGTERM: exiting at once" in err or "interrupted by SIGTERM" in err, err[-2000:]
+    # whatever was cut short, the newest complete checkpoint resumes
+    from experiments.checkpoint import Checkpoints
+    latest = Checkpoints(out / "checkpoints").latest()
+    assert latest >= 3
+    assert cli.main(["train", CONFIG, "--steps", str(latest + 2), "--out", str(out), *FLAGS, "--resume"]) == 0
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == latest
