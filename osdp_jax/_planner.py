@@ -66,7 +66,8 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
         per-device peak.
       batch: an example global batch (pytree; leading dimension = global batch size).
       batch_sizes: global batch sizes to sweep (default: the example batch's).
-      optimizer: an optax optimizer (default ``optax.adam(1e-3)``); its state is part of the memory.
+      optimizer: an optax optimizer; its state is part of the memory. None plans for
+        ``optax.adam``'s state (two moments per parameter) and logs a warning saying so.
       hardware: a :class:`Hardware`, a preset name or a dict; default from the mesh's devices.
       strategies: allowed strategy names, e.g. ``("zero3",)`` (FSDP) or ``("replicate",)`` (DDP).
       splits: candidate split counts k for sharded (zero3 or hsdp) kernels of dense layers
@@ -88,7 +89,11 @@ def plan(params, mesh, *, budget=None, loss_fn=None, batch=None, batch_sizes=Non
     n = axes_size(mesh, axes)
     hw = resolve_hardware(hardware, mesh)
     budget_bytes = parse_bytes(budget) if budget is not None else hw.memory_bytes
-    optimizer = optimizer if optimizer is not None else optax.adam(1e-3)
+    if optimizer is None:
+        # documented default; said once per call, since the state's size is part of every figure
+        log.warning("osdp_jax.plan: optimizer=None, so the plan counts optax.adam's state (two moments "
+                     "per parameter, 2x the parameter bytes); pass optimizer= the one you train with")
+        optimizer = optax.adam(1e-3)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 

@@ -251,3 +251,32 @@ def test_a_tuple_returning_loss_without_has_aux_is_a_clear_error(mesh):
     step = osdp_jax.make_train_step(lambda q, b: (toy.plain_loss(q, b), 1.0), opt, plan, mesh)
     with pytest.raises(TypeError, match="pass has_aux=True"):
         step(p, osdp_jax.init_opt_state(opt, p, plan, mesh), toy.tokens(32))
+
+
+def test_optimizer_none_plans_for_adam_and_says_so(mesh, caplog):
+    params = toy.plain_params(layers=1)
+    with caplog.at_level("WARNING", logger="osdp_jax"):
+        default = osdp_jax.plan(params, mesh, budget="1GB")
+    assert "optimizer=None, so the plan counts optax.adam's state" in caplog.text
+    adam = osdp_jax.plan(params, mesh, budget="1GB", optimizer=optax.adam(1e-3))
+    assert default.predicted_peak_bytes == adam.predicted_peak_bytes
+
+
+def test_abstract_state_is_what_orbax_restores_onto(mesh, tmp_path):
+    import orbax.checkpoint as ocp
+    params = toy.plain_params(layers=1)
+    opt = optax.adam(1e-2)
+    plan = hand_plan(params, mesh, _zero3, 32)
+    p = osdp_jax.shard(params, mesh, plan)
+    o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "c", {"params": p, "opt_state": o})
+    ckpt.wait_until_finished()
+    # restore under another plan: all replicated
+    other = hand_plan(params, mesh, KINDS["replicate"], 32)
+    t_params, t_opt = osdp_jax.abstract_state(params, other, mesh, opt)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((t_params, t_opt)))
+    back = ckpt.restore(tmp_path / "c", {"params": t_params, "opt_state": t_opt})
+    for a, b in zip(jax.tree.leaves((back["params"], back["opt_state"])), jax.tree.leaves((p, o))):
+        assert a.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
