@@ -143,9 +143,7 @@ class Checkpoints:
 
 def export_params(params, path: pathlib.Path) -> pathlib.Path:
     """Write ``params`` (any sharding) to a plain ``.npz``, one array per ``/``-joined path."""
-    from osdp_jax._describe import path_name, strip_boxes
-    arrays = {path_name(p): np.asarray(jax.device_get(x))
-              for p, x in jax.tree_util.tree_flatten_with_path(strip_boxes(params))[0]}
+    arrays = {name: np.asarray(jax.device_get(x)) for name, x in osdp_jax.flat_params(params).items()}
     path = pathlib.Path(path)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, **arrays)
@@ -155,12 +153,11 @@ def export_params(params, path: pathlib.Path) -> pathlib.Path:
 
 def import_params(path: pathlib.Path, like):
     """Parameters from an exported ``.npz``, shaped like the tree ``like`` (checked leaf by leaf)."""
-    from osdp_jax._describe import path_name
     with np.load(path) as f:
         stored = dict(f)
 
     def one(p, x):
-        name = path_name(p)
+        name = osdp_jax.path_name(p)
         if name not in stored:
             raise CheckpointError(f"{path} has no parameter {name!r}; it holds {sorted(stored)[:3]}...")
         if tuple(stored[name].shape) != tuple(x.shape):

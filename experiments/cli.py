@@ -76,8 +76,7 @@ def _profile(args) -> int:
     _simulate_devices(args.devices or math.prod(shape))
     import jax
 
-    from osdp_jax._hardware import save
-    from osdp_jax._profile import profile
+    from osdp_jax.hardware import profile, save
     if len(jax.devices()) < math.prod(shape):
         print(f"osdp-jax: error: mesh {shape} needs {math.prod(shape)} devices, {len(jax.devices())} "
               f"available; pass --devices", file=sys.stderr)
@@ -249,6 +248,15 @@ def _launch(argv) -> int:
 
 
 def main(argv=None):
+    """The command line; exit code 0, 2 for bad input, 128 + signal when interrupted."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside training (plan, compare, export, profile)
+        print("\nosdp-jax: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     _ARGV[:] = argv
     if argv[:1] == ["launch"]:

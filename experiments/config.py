@@ -110,7 +110,7 @@ def _check(cfg: ExperimentConfig):
     if bad:
         _fail("plan.batch_sizes", f"{bad[0]} is not a positive multiple of the mesh's {n} devices")
     from osdp_jax import PRESETS, parse_bytes
-    from osdp_jax._strategies import check_splits, check_strategies
+    from osdp_jax.strategies import check_splits, check_strategies
     try:
         parse_bytes(cfg.plan.budget)
     except ValueError as e:

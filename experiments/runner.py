@@ -273,7 +273,7 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     b = plan.batch_size
     abstract = s.abstract_params()
     lead = jax.process_index() == 0  # with several processes, one writes the files
-    batch_of = _batches(s, plan.axes, b)
+    batch_of = _batches(s, plan, b)
     start, meta = 0, None
     step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
     p_target, o_target = osdp_jax.abstract_state(abstract, plan, s.mesh, s.optimizer)
@@ -491,16 +491,12 @@ def _same_on_every_process(plan: osdp_jax.Plan) -> None:
     multihost_utils.assert_equal(digest, "the processes made different plans")
 
 
-def _batches(s: Setup, axes, b: int):
+def _batches(s: Setup, plan, b: int):
     """``step -> batch`` for the step. With several processes, each builds only the rows its
     own devices hold and places them (``jax.make_array_from_process_local_data``)."""
     if jax.process_count() == 1:
         return lambda step: s.batch(step, b)
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from osdp_jax._strategies import axis_entry
-    sharding = NamedSharding(s.mesh, P(axis_entry(axes)))
+    sharding = osdp_jax.batch_sharding(s.mesh, plan)
     spans = sorted({idx[0].indices(b)[:2] for idx in sharding.addressable_devices_indices_map((b,)).values()})
     rows = slice(spans[0][0], spans[-1][1])
     if sum(hi - lo for lo, hi in spans) != rows.stop - rows.start:

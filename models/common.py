@@ -2,7 +2,7 @@
 
 Layers are stacked and run with ``nn.scan`` under ``nn.remat``: one set of stacked parameters
 (leading axis = layer) and one compiled loop body. That keeps compile time flat in depth and lets
-XLA free each layer's activations (see ``shared/JAX_NOTES.md``).
+XLA free each layer's activations (see ``experiments/benchmarks/gather_memory.py``).
 """
 from __future__ import annotations
 

@@ -1,28 +1,33 @@
 """osdp-jax: Optimal Sharded Data Parallel for JAX.
 
 Per parameter, choose replication or ZeRO-3 sharding over the data-parallel devices (and, for
-dense kernels, a split count: operator splitting), and a batch size, for the highest training throughput whose whole step fits a per-device memory budget.
+dense kernels, a split count: operator splitting), and a batch size, for the highest training
+throughput whose whole step fits a per-device memory budget.
 
 >>> plan = osdp_jax.plan(params, mesh, budget="8GB", loss_fn=loss_fn, batch=batch)  # doctest: +SKIP
 >>> params = osdp_jax.shard(params, mesh, plan)                                      # doctest: +SKIP
 """
-from ._describe import ParamInfo, describe
-from ._gather import gather_params
+from ._apply import shard
+from ._describe import ParamInfo, describe, flat_params, path_name
+from ._discover import discover
 from ._hardware import PRESETS, Hardware
+from ._layout import Collective, Layout, ParamLayout
 from ._plan import ParamPlan, Plan
 from ._planner import plan
 from ._search import InfeasibleBudgetError
-from ._shard import abstract_state, init_opt_state, shard
 from ._strategies import STRATEGIES
-from ._train import make_eval_step, make_train_step
 from ._units import format_bytes, parse_bytes
-from ._xla import StepProfile, profile_compiled, profile_step
-from . import search, split
+from ._xla import StepProfile, profile_compiled
+from .runtime.hooks import gather_params
+from .runtime.step import (abstract_state, batch_sharding, compile_step, init_opt_state, make_eval_step,
+                           make_train_step, profile_step)
+from . import hardware, planning, search, split, strategies, xla
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Hardware", "InfeasibleBudgetError", "abstract_state", "PRESETS", "ParamInfo", "ParamPlan", "Plan", "STRATEGIES",
-    "StepProfile", "describe", "format_bytes", "gather_params", "init_opt_state", "make_eval_step", "make_train_step", "parse_bytes",
-    "plan", "profile_compiled", "profile_step", "search", "shard", "split",
+    "Collective", "Hardware", "InfeasibleBudgetError", "Layout", "PRESETS", "ParamInfo", "ParamLayout",
+    "ParamPlan", "Plan", "STRATEGIES", "StepProfile", "abstract_state", "batch_sharding", "compile_step",
+    "describe", "discover", "flat_params", "format_bytes", "hardware", "gather_params", "init_opt_state", "make_eval_step", "make_train_step", "parse_bytes", "path_name",
+    "plan", "planning", "profile_compiled", "profile_step", "search", "shard", "split", "strategies", "xla",
 ]

@@ -12,6 +12,7 @@ import math
 
 import jax
 import numpy as np
+from flax.core import meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,20 +75,17 @@ def describe(params) -> list[ParamInfo]:
 
 def unboxed_treedef(params):
     """The treedef of ``params`` with Flax linen metadata boxes removed (nnx.State kept as is)."""
-    try:
-        from flax.core import meta
-        params = meta.unbox(params)
-    except ImportError:  # pragma: no cover - flax is a dependency, but planning needs only jax
-        pass
-    return jax.tree.structure(params)
+    return jax.tree.structure(meta.unbox(params))
 
 
 def strip_boxes(tree):
     """``tree`` with Flax linen metadata boxes replaced by their raw values, without applying the
     boxes' own sharding constraints (their logical axis names mean nothing to the planner's mesh)."""
-    try:
-        from flax.core import meta
-    except ImportError:  # pragma: no cover
-        return tree
     is_box = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
     return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def flat_params(params) -> dict:
+    """``{"/"-joined path: leaf}`` of a params tree, metadata boxes stripped (the paths
+    :func:`describe` and plans use)."""
+    return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(strip_boxes(params))[0]}

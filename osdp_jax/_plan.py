@@ -8,10 +8,12 @@ from collections import Counter
 import jax
 from jax.sharding import PartitionSpec as P
 
+from ._layout import Layout, ParamLayout
 from ._strategies import sharded_dim
 from ._units import format_bytes
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2 records which kernels are dense layers' ("dense"); format 1 is still read
+READABLE_FORMATS = (1, 2)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -40,6 +42,7 @@ class ParamPlan:
     in_loop: bool = False  # gathered per layer inside the model's loop (osdp_jax.gather_params)
     split: int = 1  # operator splitting: slices its dense layer gathers one at a time (zero3 only)
     two_stage: bool = False  # gathered one mesh axis at a time, intra-node first (2-D meshes)
+    dense: bool = False  # a kernel of a dense layer (found by tracing the loss): gathered at its layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,12 @@ class Plan:
     @property
     def specs_by_path(self) -> dict[str, P]:
         return {pp.path: pp.spec for pp in self.params}
+
+    @property
+    def layout(self) -> Layout:
+        """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
+        return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
+                                        pp.dense) for pp in self.params), tuple(self.axes))
 
     @property
     def two_stage(self) -> frozenset[str]:
@@ -166,18 +175,19 @@ class Plan:
         d["format"] = PLAN_FORMAT
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
-                        "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage}
+                        "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
+                        "dense": pp.dense}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
-        if d.pop("format", None) != PLAN_FORMAT:
-            raise ValueError(f"not an osdp-jax plan (format {PLAN_FORMAT}) JSON")
+        if d.pop("format", None) not in READABLE_FORMATS:
+            raise ValueError(f"not an osdp-jax plan JSON (formats {list(READABLE_FORMATS)})")
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
-                                 p.get("split", 1), p.get("two_stage", False))
+                                 p.get("split", 1), p.get("two_stage", False), p.get("dense", False))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

@@ -10,18 +10,18 @@ The problem (all memory in bytes per device, all time in seconds per step)::
 weights): units run one after another, so only the largest unit's transient counts. Without units
 the problem is the classic multiple-choice knapsack of the original OSDP.
 
-Exactness, without rounding memory to a grid: the search keeps the Pareto frontier of
-(memory, time) over partial assignments, where a point is dropped only when another point is no
-worse in both and that holds for every completion (sums are monotone). The max term is handled by
-enumerating its value T over the finite set of values it can take, each unit restricted to
-configurations with transient <= T, and the budget lowered by T. Identical items are grouped and
-their choices enumerated as counts, which keeps 96 identical layers to one step.
+Exactness, without rounding memory to a grid: the peak ``sum mem + max_k pool_k`` fits the
+budget iff ``sum (mem + pool_k) <= budget`` for every pool k, a K-resource knapsack. One core,
+:func:`solve_pools`, keeps the Pareto set of (time, resource_1..K) over partial assignments,
+dropping a point only when another is no worse in time and every resource; identical items are
+grouped and their choices enumerated as counts, which keeps 96 identical layers to one step.
+:func:`solve`'s units are one-hot pools (:func:`unit_pools`), so it runs on the same core.
+:func:`min_peak` and :func:`least_memory` give the least memory any assignment needs, directly.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,50 +51,6 @@ class Solution:
     mem: float
 
 
-@dataclasses.dataclass
-class _Frontier:
-    """Pareto points sorted by memory ascending, time strictly descending, with back-pointers."""
-
-    mem: np.ndarray
-    time: np.ndarray
-    back: list  # callable(point index) -> list of (item, choice)
-
-
-def _pareto(mem: np.ndarray, time: np.ndarray) -> np.ndarray:
-    """Indices of the Pareto-optimal points (no other point has both mem and time <= )."""
-    order = np.lexsort((time, mem))
-    t_sorted = time[order]
-    best_before = np.minimum.accumulate(np.concatenate([[np.inf], t_sorted[:-1]]))
-    return order[t_sorted < best_before]
-
-
-def _group_frontier(items: list[int], t: np.ndarray, m: np.ndarray, choice_ids: np.ndarray,
-                    mem_cap: float) -> _Frontier:
-    """Frontier of n identical items, each with the same choice rows ``t``, ``m``."""
-    n, c = len(items), len(t)
-    n_combos = math.comb(n + c - 1, c - 1)
-    if c == 1 or n_combos <= _MAX_COMBOS:
-        # All count vectors (k_0..k_{c-1}) summing to n, by stars and bars.
-        counts = _compositions(n, c)
-        mem, time = counts @ m, counts @ t
-        keep = _pareto(mem, time)
-        keep = keep[mem[keep] <= mem_cap]
-        counts = counts[keep]
-
-        def back(k, counts=counts):
-            out, pos = [], 0
-            for col, cnt in enumerate(counts[k]):
-                out += [(items[pos + j], int(choice_ids[col])) for j in range(cnt)]
-                pos += cnt
-            return out
-
-        return _Frontier(mem[keep], time[keep], [back])
-    frontier = _single_frontier(items[0], t, m, choice_ids)
-    for item in items[1:]:
-        frontier = _merge(frontier, _single_frontier(item, t, m, choice_ids), mem_cap)
-    return frontier
-
-
 def _compositions(n: int, c: int) -> np.ndarray:
     """All vectors of c non-negative ints summing to n, shape (comb(n+c-1, c-1), c)."""
     partial = np.zeros((1, 0), dtype=np.int64)
@@ -106,72 +62,6 @@ def _compositions(n: int, c: int) -> np.ndarray:
         nxt = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
         partial = np.concatenate([partial[rows], nxt[:, None]], axis=1)
     return np.concatenate([partial, (n - partial.sum(axis=1))[:, None]], axis=1)
-
-
-def _single_frontier(item: int, t, m, choice_ids) -> _Frontier:
-    keep = _pareto(m, t)
-    return _Frontier(m[keep], t[keep], [lambda k, keep=keep: [(item, int(choice_ids[keep[k]]))]])
-
-
-def _merge(a: _Frontier, b: _Frontier, mem_cap: float) -> _Frontier:
-    """Minkowski sum of two frontiers, pruned to the Pareto set within ``mem_cap``."""
-    mem = (a.mem[:, None] + b.mem[None, :]).ravel()
-    time = (a.time[:, None] + b.time[None, :]).ravel()
-    keep = _pareto(mem, time)
-    keep = keep[mem[keep] <= mem_cap]
-    ia, ib = np.divmod(keep, len(b.mem))
-
-    def back(k):
-        return a.back[0](ia[k]) + b.back[0](ib[k])
-
-    return _Frontier(mem[keep], time[keep], [back])
-
-
-def _solve_additive(rows: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], cap: float):
-    """min sum time s.t. sum mem <= cap over items given as (item, time, mem, choice_ids).
-
-    Returns (time, mem, [(item, choice)]) or None when nothing fits.
-    """
-    groups: dict[tuple, list] = {}
-    for item, t, m, ids in rows:
-        key = (t.tobytes(), m.tobytes(), ids.tobytes())
-        groups.setdefault(key, [t, m, ids, []])[3].append(item)
-    # Memory that the other groups need at the least, so a partial point that cannot be completed
-    # within the cap is dropped early.
-    mins = [len(g[3]) * g[1].min() for g in groups.values()]
-    remaining = sum(mins)
-    frontier = None
-    for (t, m, ids, items), min_here in zip(groups.values(), mins):
-        remaining -= min_here
-        group = _group_frontier(items, t, m, ids, cap - remaining - (frontier.mem[0] if frontier else 0))
-        frontier = group if frontier is None else _merge(frontier, group, cap - remaining)
-        if len(frontier.mem) == 0:
-            return None
-    if frontier is None:
-        return 0.0, 0.0, []
-    best = int(np.argmin(np.where(frontier.mem <= cap, frontier.time, np.inf)))
-    if frontier.mem[best] > cap:
-        return None
-    return float(frontier.time[best]), float(frontier.mem[best]), frontier.back[0](best)
-
-
-def _unit_configs(items, time_cost, mem_cost, transient):
-    """Every Pareto-useful configuration of one unit: (time, mem, transient, [(item, choice)])."""
-    configs = [(0.0, 0.0, 0.0, [])]
-    for i in items:
-        new = []
-        for t0, m0, a0, pick in configs:
-            for c in np.flatnonzero(np.isfinite(time_cost[i]) & np.isfinite(mem_cost[i])):
-                new.append((t0 + time_cost[i, c], m0 + mem_cost[i, c], a0 + transient[i, c],
-                            pick + [(i, int(c))]))
-        # drop configurations dominated in all three coordinates
-        new.sort(key=lambda x: (x[2], x[1], x[0]))
-        kept = []
-        for cfg in new:
-            if not any(k[0] <= cfg[0] and k[1] <= cfg[1] and k[2] <= cfg[2] for k in kept):
-                kept.append(cfg)
-        configs = kept
-    return configs
 
 
 def solve(time_cost, mem_cost, budget: float, *, transient=None,
@@ -200,69 +90,23 @@ def solve(time_cost, mem_cost, budget: float, *, transient=None,
     if time_cost.ndim != 2 or time_cost.shape != mem_cost.shape:
         raise ValueError(f"time_cost and mem_cost must be 2-D arrays of one shape, got "
                          f"{time_cost.shape} and {mem_cost.shape}")
-    n = time_cost.shape[0]
-    ok = np.isfinite(time_cost) & np.isfinite(mem_cost)
-    if n and not ok.any(axis=1).all():
-        bad = int(np.flatnonzero(~ok.any(axis=1))[0])
-        raise ValueError(f"item {bad} has no available choice (every entry is inf)")
+    return solve_pools(time_cost, mem_cost, unit_pools(time_cost.shape, transient, units), budget)
+
+
+def unit_pools(shape, transient=None, units=None) -> np.ndarray:
+    """``solve``'s units as pools: unit u's transient memory is pool u (one-hot), so the peak's
+    ``max_u`` is ``solve_pools``' max over pools. Items with ``units[i] < 0`` add to no pool."""
+    n, c = shape
     if transient is None:
-        transient = np.zeros_like(mem_cost)
-        units = [-1] * n
+        return np.zeros((n, c, 1))
     transient = np.asarray(transient, dtype=np.float64)
     units = list(range(n)) if units is None else [int(u) for u in units]
-
-    plain = [(i, time_cost[i, ok[i]], mem_cost[i, ok[i]], np.flatnonzero(ok[i]))
-             for i in range(n) if units[i] < 0]
-    by_unit: dict[int, list[int]] = {}
-    for i in range(n):
-        if units[i] >= 0:
-            by_unit.setdefault(units[i], []).append(i)
-    unit_cfgs = {u: _unit_configs(items, time_cost, mem_cost, transient) for u, items in by_unit.items()}
-    thresholds = sorted({cfg[2] for cfgs in unit_cfgs.values() for cfg in cfgs} | {0.0})
-    # The max term is at least the largest unit's smallest transient.
-    floor = max((min(c[2] for c in cfgs) for cfgs in unit_cfgs.values()), default=0.0)
-    thresholds = [t for t in thresholds if t >= floor]
-
-    best, min_needed = None, math.inf
-    for T in thresholds:
-        rows = list(plain)
-        for u, cfgs in unit_cfgs.items():
-            allowed = [c for c in cfgs if c[2] <= T]
-            # A unit is one pseudo-item whose choices are its configurations.
-            rows.append((-1 - u, np.array([c[0] for c in allowed]), np.array([c[1] for c in allowed]),
-                         np.arange(len(allowed))))
-        need = sum(r[2].min() for r in rows) + T
-        min_needed = min(min_needed, need)
-        if need > budget * (1 + 1e-12):
-            continue
-        found = _solve_additive(rows, budget - T + abs(budget) * 1e-12)
-        if found is None:
-            continue
-        t, m, picks = found
-        if best is None or t < best[0] - 1e-15 * abs(t):
-            choices = np.full(n, -1, dtype=np.int64)
-            for item, c in picks:
-                if item >= 0:
-                    choices[item] = c
-                else:
-                    u = -1 - item
-                    allowed = [cfg for cfg in unit_cfgs[u] if cfg[2] <= T]
-                    for i, ci in allowed[c][3]:
-                        choices[i] = ci
-            peak = float(mem_cost[np.arange(n), choices].sum()) + _max_transient(
-                choices, transient, units)
-            best = (t, peak, choices)
-    if best is None:
-        raise _infeasible(budget, min_needed)
-    return Solution(choices=best[2], time=float(time_cost[np.arange(n), best[2]].sum()), mem=best[1])
-
-
-def _max_transient(choices, transient, units) -> float:
-    per_unit: dict[int, float] = {}
-    for i, c in enumerate(choices):
-        if units[i] >= 0:
-            per_unit[units[i]] = per_unit.get(units[i], 0.0) + float(transient[i, c])
-    return max(per_unit.values(), default=0.0)
+    ids = sorted({u for u in units if u >= 0})
+    pools = np.zeros((n, c, max(len(ids), 1)))
+    for i, u in enumerate(units):
+        if u >= 0:
+            pools[i, :, ids.index(u)] = transient[i]
+    return pools
 
 
 def _dominance_prune(time: np.ndarray, res: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -332,7 +176,7 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     res = mem_cost[:, :, None] + pools  # (n, c, K)
     ok = np.isfinite(time_cost) & np.isfinite(res).all(axis=2)
     if n and not ok.any(axis=1).all():
-        raise ValueError(f"item {int(np.flatnonzero(~ok.any(axis=1))[0])} has no available choice")
+        raise ValueError(f"item {int(np.flatnonzero(~ok.any(axis=1))[0])} has no available choice (every entry is inf)")
     k = res.shape[2]
     cap = np.full(k, budget + abs(budget) * 1e-12)
     floor = np.array([res[i, ok[i]].min(axis=0) for i in range(n)]).reshape(n, k)
@@ -371,6 +215,19 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     idx = np.arange(n)
     peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
     return Solution(choices, float(time_cost[idx, choices].sum()), peak)
+
+
+def min_peak(mem_cost, pools) -> float:
+    """The smallest peak ``sum_i mem[i, c_i] + max_k sum_i pools[i, c_i, k]`` over all
+    assignments (``inf`` marks a missing choice): the least memory any plan needs."""
+    res = np.asarray(mem_cost, dtype=np.float64)[:, :, None] + np.asarray(pools, dtype=np.float64)
+    return _min_peak(res, np.isfinite(res).all(axis=2))
+
+
+def least_memory(time_cost, mem_cost, pools) -> Solution:
+    """The fastest assignment among those with the smallest peak (:func:`min_peak`)."""
+    floor = min_peak(mem_cost, pools)
+    return solve_pools(time_cost, mem_cost, pools, floor * (1 + 1e-9) + 1e-9)
 
 
 def _min_peak(res: np.ndarray, ok: np.ndarray) -> float:

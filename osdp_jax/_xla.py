@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
+import time
 
 import jax
-
-from ._train import abstract_args, build_step, jit_step
+import jax.numpy as jnp
 
 _COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -87,11 +88,6 @@ def time_compiled(compiled, abstract, repeats: int = 5) -> float:
     they are allocated as zeros on the mesh (the step's arithmetic does not depend on the values).
     Params and optimizer state are donated, so each run feeds the previous run's outputs.
     """
-    import statistics
-    import time
-
-    import jax.numpy as jnp
-
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
     params, state, batch = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract),
                                    out_shardings=shardings)()
@@ -104,19 +100,3 @@ def time_compiled(compiled, abstract, repeats: int = 5) -> float:
             times.append(time.perf_counter() - t0)
     jax.block_until_ready((params, state))
     return statistics.median(times)
-
-
-def compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset(),
-                 splits=None, two_stage=frozenset()):
-    """Lower and compile the train step for ``specs_by_path`` (and ``splits``, path -> k; and
-    the paths gathered ``two_stage``) without allocating anything."""
-    args = abstract_args(optimizer, params, batch, mesh, axes, specs_by_path)
-    step = jit_step(build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop, splits, two_stage))
-    return step.lower(*args).compile()
-
-
-def profile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path, in_loop=frozenset(),
-                 splits=None, two_stage=frozenset()) -> StepProfile:
-    """XLA's per-device figures for the step under the given per-parameter specs and splits."""
-    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, axes, specs_by_path,
-                                         in_loop, splits, two_stage))

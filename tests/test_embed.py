@@ -1,10 +1,10 @@
-"""Embedding lookups with a deferred table gradient (osdp_jax._embed): same values and gradients
+"""Embedding lookups with a deferred table gradient (osdp_jax.runtime.kernels): same values and gradients
 as ``jnp.take``, and the gradient buffer no longer sits in the step's peak."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osdp_jax._embed import lookup
+from osdp_jax.runtime.kernels import lookup
 
 
 def test_lookup_equals_take_with_repeated_ids():

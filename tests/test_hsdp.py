@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import osdp_jax
 import toy
-from osdp_jax._train import build_step
-from osdp_jax._xla import compile_step, profile_compiled
+from osdp_jax import Layout, compile_step, profile_compiled
+from osdp_jax.runtime.step import build_step
 
 AXES = ("replica", "data")
 
@@ -48,7 +48,8 @@ def test_hsdp_collectives_run_over_the_node_groups(mesh2d):
     params = {"w": jnp.ones((64, 32)), "b": jnp.ones((32,))}
     loss_fn = lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2)  # noqa: E731
     specs = {"w": P("data"), "b": P()}  # hsdp: sharded inside a node, replicated across nodes
-    compiled = compile_step(loss_fn, optax.sgd(0.1), params, jnp.ones((16, 64)), mesh2d, AXES, specs)
+    compiled = compile_step(loss_fn, optax.sgd(0.1), params, jnp.ones((16, 64)), mesh2d,
+                            Layout.from_specs(params, mesh2d, specs))
     hlo = compiled.as_text()
     ids = np.vectorize(lambda d: d.id)(mesh2d.devices)  # (2, 4): row = node
     nodes = {frozenset(row) for row in ids.tolist()}
@@ -70,8 +71,8 @@ def test_hsdp_and_two_stage_train_like_one_device(mesh2d, specs, two_stage):
     all_specs = {i.path: P() for i in infos} | {f"block0/{k}": v for k, v in {"w1": specs["w"]}.items()}
     opt = optax.adam(1e-2)
     batch = toy.tokens(16)
-    step = jax.jit(build_step(toy.plain_loss, opt, mesh2d, AXES, all_specs, frozenset(), None, frozenset(
-        f"block0/{p}1" for p in two_stage)))
+    step = jax.jit(build_step(toy.plain_loss, opt, mesh2d, Layout.from_specs(
+        params, mesh2d, all_specs, two_stage={f"block0/{p}1" for p in two_stage})))
     expected, _ = toy.single_device_run(params, toy.plain_loss, opt, batch, 3)
     state, p = opt.init(params), params
     losses = []
@@ -128,6 +129,7 @@ def test_split_hsdp_kernel_equals_unsplit(mesh2d):
     specs = {"w": P("data"), "b": P()}
     grads = {}
     for k in (1, 4):
-        step = jax.jit(build_step(loss_fn, keep, mesh2d, AXES, specs, frozenset(), {"w": k}))
+        step = jax.jit(build_step(loss_fn, keep, mesh2d, Layout.from_specs(params, mesh2d, specs, splits={"w": k},
+                                                                              dense={"w"})))
         _, grads[k], _ = step(params, keep.init(params), x)
     np.testing.assert_allclose(np.asarray(grads[4]["w"]), np.asarray(grads[1]["w"]), rtol=1e-5, atol=1e-7)

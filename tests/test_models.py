@@ -9,8 +9,9 @@ import models
 import osdp_jax
 import toy
 from models.common import Block, TransformerConfig
-from osdp_jax._gather import discover
+from osdp_jax import Layout, discover, profile_step
 from osdp_jax._strategies import sharded_dim, spec_for
+from osdp_jax.runtime.step import build_step
 
 
 def reference_block(p, x, cfg):
@@ -67,7 +68,7 @@ def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, pres
         k += spec is not None and split == 1
         pps.append(osdp_jax.ParamPlan(info.path, info.shape, str(info.dtype), "zero3" if zero3 else "replicate",
                                       spec if zero3 else jax.sharding.PartitionSpec(), info.nbytes,
-                                      info.path in in_loop, split))
+                                      info.path in in_loop, split, dense=info.path in splittable - in_loop))
     plan = osdp_jax.Plan(tuple(pps), ("data",), 8, 16, 10**9, 0.0, None, None)
     assert {pp.strategy for pp in pps if pp.in_loop} == {"replicate", "zero3"}
     assert plan.splits_by_path, "the plan splits at least one kernel"
@@ -90,7 +91,6 @@ def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
     """Every parameter zero3 but the stacked layer weights gathered before the loss, not per
     layer (in_loop empty, as gather_memory.py compares): the stacked dense kernels are not
     handed to their layers unsplit (they are scanned over), and the step equals one device."""
-    from osdp_jax._train import build_step
     module, cfg, _ = models.get("gpt2-mini")
     params = models.init_params(module, 16, seed=0)
     loss_fn = models.make_loss(module)
@@ -100,7 +100,7 @@ def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
              for i in osdp_jax.describe(params)}
     assert specs["blocks/layers/fc1/kernel"] != jax.sharding.PartitionSpec()  # sharded, gathered per step
     opt = optax.sgd(0.1)
-    step = jax.jit(build_step(loss_fn, opt, mesh, ("data",), specs))
+    step = jax.jit(build_step(loss_fn, opt, mesh, Layout.from_specs(params, mesh, specs)))
     _, _, loss = step(params, opt.init(params), batch)
     assert float(loss) == pytest.approx(float(loss_fn(params, batch)), rel=1e-5)
 
@@ -115,7 +115,6 @@ def test_fsdp_temp_is_activations_plus_two_layers(preset):
     layers' gathered weights. The gradient shards (1/N of every parameter) are ZeRO-3 model
     state like the parameter and optimizer shards, but XLA counts them in temp: the optimizer
     update reads them after the backward pass."""
-    from osdp_jax._xla import profile_step
     module, cfg, _ = models.get(preset)
     seq, n = 128, 8
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -126,13 +125,11 @@ def test_fsdp_temp_is_activations_plus_two_layers(preset):
                 "targets": jax.ShapeDtypeStruct((b, seq), jnp.int32),
                 "weights": jax.ShapeDtypeStruct((b, seq), jnp.float32)}
     loss_fn, opt = models.make_loss(module), optax.adam(1e-4)
-    in_loop, _ = discover(loss_fn, params, batch(8))
+    in_loop, dense = discover(loss_fn, params, batch(8))
     infos = osdp_jax.describe(params)
-    fsdp = {i.path: spec_for(i, "zero3", ("data",), n, i.path in in_loop) or jax.sharding.PartitionSpec()
-            for i in infos}
-    assert all(s != jax.sharding.PartitionSpec() for s in fsdp.values()), "every parameter is sharded"
-    temp = {b: profile_step(loss_fn, opt, params, batch(b), mesh, ("data",), fsdp, frozenset(in_loop)).temp_bytes
-            for b in (8, 16)}
+    fsdp = Layout.fsdp(params, mesh, in_loop=in_loop, dense=dense - in_loop)
+    assert all(pl.strategy == "zero3" for pl in fsdp.params), "every parameter is sharded"
+    temp = {b: profile_step(loss_fn, opt, params, batch(b), mesh, fsdp).temp_bytes for b in (8, 16)}
     per_sample = (temp[16] - temp[8]) / 8
     weights_part = temp[8] - 8 * per_sample
     layer = sum(i.nbytes / i.shape[0] for i in infos if i.path in in_loop)

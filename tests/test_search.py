@@ -9,7 +9,7 @@ import pytest
 from osdp_jax._search import solve_pools
 from osdp_jax.search import InfeasibleBudgetError, solve
 
-# The per-layer tables published with the original OSDP implementation (copied from shared/reference).
+# The per-layer tables published with the original OSDP implementation (a copy is in tests/data).
 REFERENCE = pathlib.Path(__file__).resolve().parent / "data" / "osdp_profiled_tables.json"
 
 

@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 import osdp_jax
 import toy
-from osdp_jax._gather import discover
-from osdp_jax._train import build_step
-from osdp_jax._xla import collectives_by_place, compile_step, profile_compiled
+from osdp_jax import Layout, compile_step, discover, profile_compiled
+from osdp_jax.runtime.step import build_step
+from osdp_jax.xla import collectives_by_place
 
 AXES = ("data",)
 
@@ -40,7 +40,9 @@ KEEP_GRADS = optax.GradientTransformation(
 
 def _grads_by_step(params, loss_fn, mesh, specs, splits, batch):
     """Loss and gradient from one sharded step."""
-    step = jax.jit(build_step(loss_fn, KEEP_GRADS, mesh, AXES, specs, frozenset(), splits))
+    dense = discover(loss_fn, params, batch)[1]  # their dense layers gather them
+    layout = Layout.from_specs(params, mesh, specs, splits=splits, dense=dense)
+    step = jax.jit(build_step(loss_fn, KEEP_GRADS, mesh, layout))
     _, grads, loss = step(params, KEEP_GRADS.init(params), batch)
     return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -81,8 +83,8 @@ def test_split_gathers_inside_the_loop_and_cuts_temp(mesh, dim):
     specs = {"kernel": P(*([None] * dim), "data"), "bias": P()}
     temp, places = {}, {}
     for k in (1, 2, 4):
-        compiled = compile_step(loss_fn, optax.sgd(0.1), params, batch, mesh, AXES, specs, frozenset(),
-                                {"kernel": k})
+        compiled = compile_step(loss_fn, optax.sgd(0.1), params, batch, mesh,
+                                Layout.from_specs(params, mesh, specs, splits={"kernel": k}, dense={"kernel"}))
         temp[k] = profile_compiled(compiled).temp_bytes
         places[k] = collectives_by_place(compiled.as_text())
     assert places[1]["in_loop"]["all-gather"] == 0 and places[1]["outside"]["all-gather"] >= 1
@@ -102,10 +104,10 @@ def test_split_kernel_keeps_its_storage_and_misuse_is_clear(mesh):
     def misuse(p, x):
         return jnp.sum(x @ p["w"])  # not through osdp_jax.split.dense
     with pytest.raises(TypeError, match="'w' is split by the plan"):
-        build_step(misuse, optax.sgd(0.1), mesh, AXES, {"w": P("data")}, frozenset(), {"w": 2})(
+        build_step(misuse, optax.sgd(0.1), mesh, Layout.from_specs(params, mesh, {"w": P("data")}, splits={"w": 2}))(
             params, optax.sgd(0.1).init(params), jnp.ones((8, 64)))
     with pytest.raises(ValueError, match=r"only sharded \(zero3 or hsdp\) kernels can be split"):
-        build_step(misuse, optax.sgd(0.1), mesh, AXES, {"w": P()}, frozenset(), {"w": 2})
+        build_step(misuse, optax.sgd(0.1), mesh, Layout.from_specs(params, mesh, {"w": P()}, splits={"w": 2}))
 
 
 def test_plan_splits_when_only_a_split_plan_fits(mesh):
@@ -113,8 +115,9 @@ def test_plan_splits_when_only_a_split_plan_fits(mesh):
     opt = optax.sgd(0.1)
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt)
     # the least memory any unsplit plan needs, by XLA: everything zero3
-    unsplit = profile_compiled(compile_step(loss_fn, opt, params, batch, mesh, AXES,
-                                            {"kernel": P("data"), "bias": P()})).peak_bytes
+    unsplit = profile_compiled(compile_step(loss_fn, opt, params, batch, mesh,
+                                            Layout.from_specs(params, mesh, {"kernel": P("data")},
+                                                              dense={"kernel"}))).peak_bytes
     budget = int(0.7 * unsplit)
     with pytest.raises(osdp_jax.InfeasibleBudgetError):
         osdp_jax.plan(params, mesh, budget=budget, splits=(1,), **kw)

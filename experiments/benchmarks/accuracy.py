@@ -20,8 +20,7 @@ import jax  # noqa: E402
 
 import osdp_jax  # noqa: E402
 from experiments import config, runner  # noqa: E402
-from osdp_jax._hardware import save  # noqa: E402
-from osdp_jax._profile import profile  # noqa: E402
+from osdp_jax.hardware import profile, save  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini")
 METHODS = (("DDP", ("replicate",)), ("FSDP", ("zero3",)), ("OSDP", ("replicate", "zero3")))

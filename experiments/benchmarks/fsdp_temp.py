@@ -9,7 +9,7 @@ optimizer update reads them after the backward pass; at most two layers' gathere
 layer's weights and its full-size gradient) may be alive besides.
 
 Rows: osdp-jax's step; the same without deferring the embedding's gradient buffer
-(``osdp_jax._embed``: the lookup's table-sized zeros are otherwise filled at the start of the
+(``osdp_jax.runtime.kernels.lookup``: the lookup's table-sized zeros are otherwise filled at the start of the
 step); the same also gathering the per-step dense kernels (the LM head) before the loss instead of
 at their layer (the step before these two changes).
 
@@ -17,7 +17,6 @@ Run: python experiments/benchmarks/fsdp_temp.py
 Writes experiments/results/fsdp_temp.md (and prints it).
 """
 import argparse
-import contextlib
 import os
 import pathlib
 
@@ -26,14 +25,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import models  # noqa: E402
 import osdp_jax  # noqa: E402
-from osdp_jax._gather import discover  # noqa: E402
-from osdp_jax._strategies import spec_for  # noqa: E402
-from osdp_jax._train import abstract_args, build_step, jit_step  # noqa: E402
-from osdp_jax._xla import profile_compiled  # noqa: E402
 
 AXES, N, SEQ = ("data",), 8, 128
 MIB = 2**20
@@ -44,44 +38,24 @@ def _batch(b, seq=SEQ):
             "weights": jax.ShapeDtypeStruct((b, seq), jnp.float32)}
 
 
-def _setup(module, strategy="zero3"):
+def _setup(module):
     params = models.abstract_params(module, SEQ)
     loss_fn = models.make_loss(module)
-    loop = frozenset(discover(loss_fn, params, _batch(8))[0])
-    infos = osdp_jax.describe(params)
-    specs = {i.path: spec_for(i, strategy, AXES, N, i.path in loop) or P() for i in infos}
-    return params, loss_fn, loop, infos, specs
-
-
-@contextlib.contextmanager
-def ablated(embed: bool, at_layer: bool):
-    """osdp-jax's step without its deferred embedding gradient and/or its at-layer gathers."""
-    import osdp_jax._embed as E
-    import osdp_jax._train as T
-    saved = E.intercepting, T.discover
-    T._DISCOVERED.clear()  # discovery answers are cached per loss function
-    if not embed:
-        E.intercepting = contextlib.nullcontext
-    if not at_layer:
-        T.discover = lambda loss_fn, params, batch: (set(), set())
-    try:
-        yield
-    finally:
-        E.intercepting, T.discover = saved
-        T._DISCOVERED.clear()
+    loop, dense = osdp_jax.discover(loss_fn, params, _batch(8))
+    return params, loss_fn, loop, dense, osdp_jax.describe(params)
 
 
 def decompose(module, embed=True, at_layer=True) -> dict:
-    """W, A and the bound's terms (MiB) for the FSDP step."""
-    params, loss_fn, loop, infos, specs = _setup(module)
+    """W, A and the bound's terms (MiB) for the FSDP step; ``embed=False`` compiles it with Flax's
+    own Embed lookup, ``at_layer=False`` with the per-step dense kernels gathered before the loss."""
+    params, loss_fn, loop, dense, infos = _setup(module)
     mesh = jax.make_mesh((N,), AXES, axis_types=(jax.sharding.AxisType.Auto,))
+    layout = osdp_jax.Layout.fsdp(params, mesh, in_loop=loop, dense=(dense - loop) if at_layer else ())
     opt = optax.adam(1e-4)
     temp = {}
     for b in (8, 16):
-        with ablated(embed, at_layer):
-            step = jit_step(build_step(loss_fn, opt, mesh, AXES, specs, loop))
-            compiled = step.lower(*abstract_args(opt, params, _batch(b), mesh, AXES, specs)).compile()
-        temp[b] = profile_compiled(compiled).temp_bytes / MIB
+        compiled = osdp_jax.compile_step(loss_fn, opt, params, _batch(b), mesh, layout, embed_lookup=embed)
+        temp[b] = osdp_jax.profile_compiled(compiled).temp_bytes / MIB
     per_sample = (temp[16] - temp[8]) / 8
     grads = sum(i.nbytes for i in infos) / N / MIB
     layer = sum(i.nbytes / i.shape[0] for i in infos if i.path in loop) / MIB

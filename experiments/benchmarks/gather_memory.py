@@ -14,8 +14,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import osdp_jax  # noqa: E402
 from experiments import config, runner  # noqa: E402
-from osdp_jax._gather import discover  # noqa: E402
-from osdp_jax._strategies import spec_for  # noqa: E402
 
 
 def main():
@@ -29,19 +27,15 @@ def main():
                        "plan.batch_sizes": str(args.batch)})
     s = runner.setup(cfg)
     params, batch = s.abstract_params(), s.abstract_batch(args.batch)
-    infos = osdp_jax.describe(params)
-    loop = frozenset(discover(s.loss_fn, params, batch)[0])
-    axes = ("data",)
-
-    def specs(zero3):
-        return {i.path: (spec_for(i, "zero3", axes, 8, i.path in loop) if zero3 else None)
-                or spec_for(i, "replicate", axes, 8) for i in infos}
+    in_loop, dense = osdp_jax.discover(s.loss_fn, params, batch)
+    fsdp = osdp_jax.Layout.fsdp(params, s.mesh, in_loop=in_loop, dense=dense - in_loop)
+    once = osdp_jax.Layout.from_specs(params, s.mesh, fsdp.specs_by_path, dense=dense - in_loop)
 
     print(f"{args.preset}, global batch {args.batch}, sequence {args.seq}, 8 devices (XLA, compile-only)")
-    for name, sp, in_loop in (("DDP", specs(False), frozenset()),
-                              ("FSDP, gathered once per step", specs(True), frozenset()),
-                              ("FSDP, gathered per layer in the loop", specs(True), loop)):
-        prof = osdp_jax.profile_step(s.loss_fn, s.optimizer, params, batch, s.mesh, axes, sp, in_loop)
+    for name, layout in (("DDP", osdp_jax.Layout.ddp(params, s.mesh)),
+                         ("FSDP, gathered once per step", once),
+                         ("FSDP, gathered per layer in the loop", fsdp)):
+        prof = osdp_jax.profile_step(s.loss_fn, s.optimizer, params, batch, s.mesh, layout)
         print(f"{name:38s} peak {osdp_jax.format_bytes(prof.peak_bytes):>11s}  "
               f"temp {osdp_jax.format_bytes(prof.temp_bytes):>11s}  "
               f"args {osdp_jax.format_bytes(prof.argument_bytes):>11s}  collectives {prof.collectives}")

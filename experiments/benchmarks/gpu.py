@@ -42,15 +42,11 @@ def run_one(preset: str, variant: str, batch_size: int, seq: int, steps: int) ->
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import models
     import osdp_jax
-    from osdp_jax._gather import discover
-    from osdp_jax._hardware import default_hardware
-    from osdp_jax._train import abstract_args, build_step, jit_step, opt_state_specs, spec_tree
-    from osdp_jax._xla import profile_compiled
+    from osdp_jax.hardware import default_hardware
 
     module, cfg, _ = models.get(preset)
     device = jax.devices()[0]
@@ -71,9 +67,9 @@ def run_one(preset: str, variant: str, batch_size: int, seq: int, steps: int) ->
         out.update(predicted_peak=plan.predicted_peak_bytes, predicted_step_s=plan.predicted_step_seconds,
                    budget=plan.budget_bytes, hardware=hw.name, strategies=plan.counts(),
                    split_kernels=len(plan.splits_by_path))
-        specs, in_loop, splits = plan.specs_by_path, plan.in_loop, plan.splits_by_path
+        layout = plan.layout
     else:
-        in_loop, splittable = discover(loss_fn, abstract, batch)
+        in_loop, splittable = osdp_jax.discover(loss_fn, abstract, batch)
         # every parameter "sharded" over the one-device axis: the same code path as zero3
         lead = {i.path: 1 if i.path in in_loop else 0 for i in osdp_jax.describe(abstract)}  # layer axis
         specs = {i.path: P(*([None] * lead[i.path]), "data") if len(i.shape) > lead[i.path] else P()
@@ -81,17 +77,15 @@ def run_one(preset: str, variant: str, batch_size: int, seq: int, steps: int) ->
         k = 1 if variant == "split off" else 4
         splits = {p: k for p in splittable if k > 1}
         out.update(split_kernels=len(splits))
-    step = jit_step(build_step(loss_fn, opt, mesh, ("data",), specs, frozenset(in_loop), splits))
-    compiled = step.lower(*abstract_args(opt, abstract, batch, mesh, ("data",), specs)).compile()
-    out["xla_peak"] = profile_compiled(compiled).peak_bytes
+        layout = osdp_jax.Layout.from_specs(abstract, mesh, specs, in_loop=in_loop, splits=splits,
+                                            dense=splittable - in_loop)
+    compiled = osdp_jax.compile_step(loss_fn, opt, abstract, batch, mesh, layout)
+    out["xla_peak"] = osdp_jax.profile_compiled(compiled).peak_bytes
     out["plan_and_compile_s"] = time.perf_counter() - t0
 
-    params = models.init_params(module, seq, 0)
-    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, spec_tree(params, specs))
-    o_specs = opt_state_specs(opt, jax.eval_shape(opt.init, params), spec_tree(params, specs))
-    state = jax.jit(opt.init, out_shardings=jax.tree.map(lambda s: NamedSharding(mesh, s), o_specs,
-                                                         is_leaf=lambda x: isinstance(x, P)))(params)
-    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    params = osdp_jax.shard(models.init_params(module, seq, 0), mesh, layout)
+    state = osdp_jax.init_opt_state(opt, params, layout, mesh)
+    batch = jax.device_put(batch, osdp_jax.batch_sharding(mesh, layout))
     times = []
     for i in range(steps + 2):
         t = time.perf_counter()

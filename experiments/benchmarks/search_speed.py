@@ -21,9 +21,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from osdp_jax._cost import cost_tables, optimizer_bytes  # noqa: E402
-from osdp_jax._search import solve_pools  # noqa: E402
-from osdp_jax._strategies import spec_for  # noqa: E402
 
 L, D, H, V, T = 96, 12288, 96, 50257, 2048
 BATCH_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -80,19 +77,13 @@ def main():
     print(f"GPT-3 shape: {L} layers, hidden {D}, {n_params / 1e9:.1f}B parameters, 8 devices, "
           f"{len(BATCH_SIZES)} batch sizes")
 
-    # per-layer tree, uncalibrated model: the search alone
+    # per-layer tree, uncalibrated model (no loss function: nothing compiled): the cost tables and
+    # the search alone, as plan() times them (Plan.search_seconds)
     params = per_layer_params()
     infos = osdp_jax.describe(params)
-    opt_bytes, other = optimizer_bytes(opt, params)
-    strategies = ("replicate", "zero3")
-    available = np.array([[spec_for(i, s, ("data",), 8) is not None for s in strategies] for i in infos])
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for b in BATCH_SIZES:
-            tables = cost_tables(infos, available, strategies, opt_bytes, other, 8, hw, b * T * 4, None)
-            solve_pools(tables.time, tables.mem, tables.pools, 2e12 - tables.base_mem)
-        times.append(time.perf_counter() - t0)
+    times = [osdp_jax.plan(params, mesh, budget=2 * 10**12, batch=jax.ShapeDtypeStruct((8, T), jnp.int32),
+                           batch_sizes=BATCH_SIZES, optimizer=opt, hardware=hw, strategies=("replicate", "zero3"),
+                           splits=(1,)).search_seconds for _ in range(3)]
     print(f"per-layer tree ({len(infos)} leaves): search over {len(BATCH_SIZES)} batch sizes "
           f"{np.median(times):.3f} s (median of 3, measured)")
 

@@ -24,14 +24,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from osdp_jax._gather import discover  # noqa: E402
-from osdp_jax._strategies import spec_for  # noqa: E402
-from osdp_jax._train import abstract_args, build_step, jit_step  # noqa: E402
-from osdp_jax._xla import collectives_by_place, profile_compiled  # noqa: E402
+from osdp_jax.xla import collectives_by_place  # noqa: E402
 
 KS = (1, 2, 4, 8)
 AXES = ("data",)
@@ -65,16 +61,16 @@ def ffn_rows(mesh, d, hidden, tokens, rounds, label):
     for k in KS:
         if hidden % (8 * k) or d % (8 * k):
             continue
-        step = jit_step(build_step(loss_fn, opt, mesh, AXES, specs, frozenset(), {p: k for p in specs}))
-        compiled = step.lower(*abstract_args(opt, params, batch, mesh, AXES, specs)).compile()
-        prof = profile_compiled(compiled)
+        layout = osdp_jax.Layout.from_specs(params, mesh, specs, splits={p: k for p in specs}, dense=set(specs))
+        compiled = osdp_jax.compile_step(loss_fn, opt, params, batch, mesh, layout)
+        prof = osdp_jax.profile_compiled(compiled)
         facts[k] = (prof.temp_bytes, prof.peak_bytes, *_places(compiled))
         steps[k] = compiled
     state = {}
+    layout = osdp_jax.Layout.from_specs(params, mesh, specs)
     for k in steps:
-        sp = jax.tree.map(lambda x, s: jax.device_put(jnp.copy(x), NamedSharding(mesh, s)), params,
-                          {"Dense_0": {"kernel": specs["Dense_0/kernel"]}, "Dense_1": {"kernel": specs["Dense_1/kernel"]}})
-        state[k] = [sp, opt.init(sp)]
+        sp = osdp_jax.shard(params, mesh, layout)
+        state[k] = [sp, osdp_jax.init_opt_state(opt, sp, layout, mesh)]
         out = steps[k](*state[k], batch)  # warm-up
         state[k] = list(out[:2])
     times = {k: [] for k in steps}
@@ -103,18 +99,18 @@ def opt_rows():
     s = runner.setup(cfg)
     params, batch = s.abstract_params(), s.abstract_batch(8)
     infos = osdp_jax.describe(params)
-    loop, splittable = discover(s.loss_fn, params, batch)
-    specs = {i.path: spec_for(i, "zero3", AXES, 8, i.path in loop) or P() for i in infos}
+    loop, splittable = osdp_jax.discover(s.loss_fn, params, batch)
+    fsdp = osdp_jax.Layout.fsdp(params, s.mesh, in_loop=loop, dense=splittable - loop)
     rows = ["\n## opt-30b-8l (5.3B parameters), batch 8, sequence 512, FSDP gathered per layer, Adam: compile-only\n",
             f"split kernels: {sorted(splittable)}\n",
             "| k | temp (XLA) | peak (XLA) | in-loop AG/RS/AR | outside AG/RS/AR |", "|---|---|---|---|---|"]
     for k in KS:
         splits = {p: k for p in splittable
                   if k > 1 and next(i for i in infos if i.path == p).shape[1 if p in loop else 0] % (8 * k) == 0}
-        args = abstract_args(s.optimizer, params, batch, s.mesh, AXES, specs)
-        step = jit_step(build_step(s.loss_fn, s.optimizer, s.mesh, AXES, specs, frozenset(loop), splits))
-        compiled = step.lower(*args).compile()
-        prof = profile_compiled(compiled)
+        layout = osdp_jax.Layout.from_specs(params, s.mesh, fsdp.specs_by_path, in_loop=loop, splits=splits,
+                                            dense=splittable - loop)
+        compiled = osdp_jax.compile_step(s.loss_fn, s.optimizer, params, batch, s.mesh, layout)
+        prof = osdp_jax.profile_compiled(compiled)
         rows.append(f"| {k} ({len(splits)} kernels split) | {f(prof.temp_bytes)} | {f(prof.peak_bytes)} | "
                     + " | ".join(_places(compiled)) + " |")
     return rows

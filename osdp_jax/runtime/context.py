@@ -5,30 +5,20 @@ The step runs the user's unmodified ``loss_fn``. Two hooks inside the model cons
 ``osdp_jax.split.dense`` with the Flax ``Dense``/``Linear`` interception (operator splitting).
 Split kernels reach the model as a :class:`SplitKernel`: this device's ZeRO-3 shard carrying the
 full kernel's shape, so Flax's parameter shape checks pass; any use other than a dense layer
-fails loudly for a kernel split in k > 1 slices and gathers an unsplit one (k = 1) there. During discovery the context recognises parameters by object identity
-(``id``) of the traced array, which is how an unmodified layer's kernel is matched to its path.
+fails loudly for a kernel split in k > 1 slices and gathers an unsplit one (k = 1) there. While
+the planner discovers a model's layers (``recording``), the context recognises parameters by
+object identity (``id``) of the traced array, which is how an unmodified layer's kernel is
+matched to its path.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import dataclasses
-import threading
 from typing import NamedTuple
 
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """How a sharded parameter is gathered inside the step.
-
-    All-gathered over mesh ``axes`` in one ring, or with ``two_stage`` one axis at a time, the
-    last (inner, intra-node) first; its gradient is reduce-scattered back the reverse way and
-    then summed over ``reduce_axes`` (``hsdp``: the axes it is replicated over).
-    """
-
-    axes: tuple[str, ...]
-    reduce_axes: tuple[str, ...] = ()
-    two_stage: bool = False
+from .._layout import Collective
+from .collectives import gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +73,6 @@ class SplitKernel:
 
     def gathered(self):
         """The whole kernel, all-gathered here (the fallback of an unsplit kernel, k = 1)."""
-        from ._train import gather
         return gather(self.shard, self.spec.dim, self.spec.how)
 
     def __getattr__(self, name):
@@ -105,6 +94,10 @@ class SplitKernel:
 
     def __repr__(self):
         return f"SplitKernel({self.path!r}, shape={self.shape}, k={self.spec.k})"
+
+
+# Not a registered pytree, on purpose: Flax's lifted transforms (nn.scan, nn.map_variables) flatten
+# the params they carry, and would then hand the model the shard's shape instead of the kernel's.
 
 
 @dataclasses.dataclass
@@ -147,31 +140,3 @@ def active(ctx: StepContext):
         yield ctx
     finally:
         ACTIVE.reset(token)
-
-
-_PATCH_LOCK = threading.Lock()
-_PATCHES: dict = {}  # (class, attribute) -> [the original, contexts open]
-
-
-@contextlib.contextmanager
-def patched(cls, name: str, replacement):
-    """``cls.name`` is ``replacement`` while any such context is open (for layers Flax cannot
-    intercept, e.g. ``flax.nnx``); nested and concurrent contexts share one patch."""
-    key = (cls, name)
-    with _PATCH_LOCK:
-        if key not in _PATCHES:
-            _PATCHES[key] = [getattr(cls, name), 0]
-            setattr(cls, name, replacement)
-        _PATCHES[key][1] += 1
-    try:
-        yield
-    finally:
-        with _PATCH_LOCK:
-            _PATCHES[key][1] -= 1
-            if _PATCHES[key][1] == 0:
-                setattr(cls, name, _PATCHES.pop(key)[0])
-
-
-def original(cls, name: str):
-    """The ``cls.name`` that :func:`patched` replaced, for the replacement to fall back on."""
-    return _PATCHES[(cls, name)][0]

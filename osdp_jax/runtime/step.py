@@ -1,103 +1,40 @@
 """The sharded training step: explicit data parallelism under ``jax.shard_map``.
 
-Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, by its plan:
+Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, by its layout:
 
 - replicated: the local gradient is averaged with one all-reduce (``pmean``);
-- zero3: the stored shard is all-gathered just before ``loss_fn`` runs (or, for parameters the
-  model passes through ``osdp_jax.gather_params``, one layer at a time inside its loop), and the
-  gradient of the
-  gathered weight is reduce-scattered (``psum_scatter``) back to a shard, through a
-  ``custom_vjp``. XLA on CPU emits real ``all-gather`` and ``reduce-scatter`` ops this way, where
-  plain ``jit`` would all-reduce the full gradient.
+- zero3/hsdp: the stored shard is all-gathered (``runtime.collectives.gather``) before ``loss_fn``
+  runs, at its dense layer, or one layer at a time inside the model's loop, and the gradient of
+  the gathered weight is reduce-scattered back to a shard.
 
-Flax linen metadata boxes are stripped before ``loss_fn`` sees the parameters: their logical
-sharding constraints do not apply inside the step (``model.apply`` takes unboxed params).
+The optimizer then runs on the global arrays (outside the shard_map). Flax linen metadata boxes
+are stripped before ``loss_fn`` sees the parameters. The loss is the mean of the per-device
+losses, so ``loss_fn`` must return the *mean* loss over the batch it is given; the gradient is then
+exactly that of the global mean loss.
 
-The loss is the mean of the per-device losses, so ``loss_fn`` must return the *mean* loss over the
-batch it is given; the gradient is then exactly that of the global mean loss.
+This module also places parameters and optimizer state (:func:`place`, :func:`init_opt_state`,
+:func:`abstract_state`) and compiles a step without allocating (:func:`compile_step`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._describe import path_name, strip_boxes
-from ._context import Collective, SplitEntry, StepContext, active
-from ._gather import discover, wrap_tree
-from ._split import intercepting
-from ._strategies import axes_size, axis_entry, sharded_dim
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather(shard, dim: int, how: Collective):
-    """All-gather a ZeRO-3 shard along ``dim`` as ``how`` says (inside shard_map).
-
-    Its gradient reduce-scatters the cotangent back to a shard (and sums it over
-    ``how.reduce_axes``): the sum over devices, so the caller divides by the device count for a
-    mean.
-    """
-    if how.two_stage and len(how.axes) > 1:
-        for axis in reversed(how.axes):  # inner (intra-node) axis first
-            shard = jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
-        return shard
-    return jax.lax.all_gather(shard, how.axes, axis=dim, tiled=True)
-
-
-def _gather_fwd(shard, dim, how):
-    return gather(shard, dim, how), None
-
-
-def _gather_bwd(dim, how, _, cotangent):
-    if how.two_stage and len(how.axes) > 1:
-        for axis in how.axes:  # outer (inter-node) axis first: the reverse of the gather
-            cotangent = jax.lax.psum_scatter(cotangent, axis, scatter_dimension=dim, tiled=True)
-    else:
-        cotangent = jax.lax.psum_scatter(cotangent, how.axes, scatter_dimension=dim, tiled=True)
-    if how.reduce_axes:
-        cotangent = jax.lax.psum(cotangent, how.reduce_axes)
-    return (cotangent,)
-
-
-gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-def collective(spec: P, axes, two_stage: bool = False) -> Collective | None:
-    """How a parameter stored as ``spec`` is gathered: over the axes its sharded dimension names;
-    its gradient is also summed over the other data-parallel ``axes``. None if replicated."""
-    dim = sharded_dim(spec)
-    if dim is None:
-        return None
-    entry = spec[dim]
-    on = tuple(entry) if isinstance(entry, tuple) else (entry,)
-    return Collective(on, tuple(a for a in axes if a not in on), two_stage)
-
-
-def spec_tree(params, specs_by_path: dict[str, P]):
-    """A tree shaped like ``params`` (boxes and all) whose leaves are the planned specs."""
-    def spec(path, _):
-        name = path_name(path)
-        if name not in specs_by_path:
-            raise KeyError(f"parameter {name!r} is not in the plan; re-plan for these params")
-        return specs_by_path[name]
-    return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def opt_state_specs(optimizer, abstract_state, param_specs):
-    """Specs for the optimizer state: param-shaped parts follow the params, the rest replicate."""
-    return optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_state, param_specs,
-                                 transform_non_params=lambda _: P(),
-                                 is_leaf=lambda x: isinstance(x, P))
-
-
-def batch_specs(batch, axes):
-    entry = axis_entry(axes)
-    return jax.tree.map(lambda _: P(entry), batch)
+from .._describe import describe, path_name, strip_boxes
+from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree
+from .._strategies import axes_size, axis_entry, sharded_dim
+from .._xla import StepProfile, profile_compiled
+from .collectives import device_index, gather
+from .context import SplitEntry, StepContext, active
+from .hooks import wrap_tree
+from .interception import intercepting
 
 
 def check_batch(batch, n: int):
@@ -123,12 +60,7 @@ def _reduce_out(x, axes, how: str):
     return jax.lax.psum(x, axes)
 
 
-def _device_index(axes):
-    """This device's linear index over the data-parallel ``axes`` (inside shard_map)."""
-    return jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
-
-
-def model_view(loss_fn, param_specs, loop_specs: dict, split_specs: dict, how: dict):
+def model_view(loss_fn, param_specs, loop_specs: dict, split_specs: dict, how: dict, lookups: bool = True):
     """``f(params, *args) -> loss_fn(model params, *args)``, per device: the parameters as the model
     sees them inside the step.
 
@@ -147,7 +79,7 @@ def model_view(loss_fn, param_specs, loop_specs: dict, split_specs: dict, how: d
     def run(p, *args, **kwargs):
         used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs))
         ctx = StepContext(loop_specs, split_specs)
-        with active(ctx), intercepting():
+        with active(ctx), intercepting(lookups):
             return loss_fn(wrap_tree(ctx, used), *args, **kwargs)
 
     return run
@@ -161,6 +93,7 @@ class StepOptions:
     aux: str = "mean"  # how aux leaves are combined across devices: "mean" or "gather"
     rng: bool = False  # loss_fn takes rng=, a key folded with the device index
     state: bool = False  # loss_fn takes state= (mutable collections) and returns the new state too
+    embed_lookup: bool = True  # Flax Embed through runtime.kernels.lookup (False: Flax's own, to measure)
 
     def __post_init__(self):
         if self.aux not in ("mean", "gather"):
@@ -204,11 +137,11 @@ def grad_body(loss_fn, param_specs, axes, n: int, loop_specs: dict, split_specs:
     new mutable state averaged over the devices. The optimizer is not applied here: it runs on
     the global arrays (see :func:`build_step`).
     """
-    view = model_view(loss_fn, param_specs, loop_specs, split_specs, how)
+    view = model_view(loss_fn, param_specs, loop_specs, split_specs, how, options.embed_lookup)
 
     def body(params, batch, state, rng):
         if options.rng:
-            rng = jax.random.fold_in(rng, _device_index(axes))
+            rng = jax.random.fold_in(rng, device_index(axes))
 
         def loss_of(p):
             loss, aux, new_state = options.call(view, p, batch, state, rng)
@@ -232,70 +165,36 @@ def _lay_out(x, sharding: NamedSharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-_DISCOVERED: dict = {}  # (loss_fn, tree structure, shapes) -> discover's answer; the planner compiles
-_DISCOVERED_MAX = 32     # several probe steps of one loss, and each would trace it again (~0.5 s)
+class _Gathering(NamedTuple):
+    """Where each sharded parameter of a layout is gathered inside the step."""
+
+    how: dict  # path -> Collective (None: replicated)
+    loop_specs: dict  # path -> (dim, Collective): gathered per layer by gather_params
+    split_specs: dict  # path -> SplitEntry: gathered by its dense layer, whole (k = 1) or in k slices
 
 
-def _discover_cached(loss_fn, params, batch, kwargs=None):
-    leaves, treedef = jax.tree.flatten((params, batch, kwargs))
-    key = (loss_fn, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
-    if key not in _DISCOVERED:
-        if len(_DISCOVERED) >= _DISCOVERED_MAX:
-            _DISCOVERED.pop(next(iter(_DISCOVERED)))
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch, kwargs))
-        p, b, kw = abstract
-        if kw:  # the keyword arguments are traced with the batch
-            _DISCOVERED[key] = discover(lambda p_, bk: loss_fn(p_, bk[0], **bk[1]), p, (b, kw))
-        else:
-            _DISCOVERED[key] = discover(loss_fn, p, b)
-    return _DISCOVERED[key]
-
-
-class _Layout(NamedTuple):
-    how: dict
-    loop_specs: dict
-    split_specs: dict
-
-
-def _layout(mesh, specs_by_path, in_loop, splits, two_stage, axes) -> _Layout:
-    splits = {p: k for p, k in (splits or {}).items() if k > 1}
-    for path in splits:
-        if sharded_dim(specs_by_path[path]) is None:
-            raise ValueError(f"parameter {path!r} is split but not sharded: only sharded (zero3 or hsdp) "
+def _gathering(layout: Layout, mesh) -> _Gathering:
+    """Per-layer gathering for the ``in_loop`` parameters, the dense layer's gathering for split
+    kernels and for per-step sharded kernels of dense layers (``ParamLayout.dense``: gathered at
+    the layer, from its input, since XLA:CPU's scheduler would otherwise gather them at the start
+    of the step and keep them alive through the layer loops), and before the loss for the rest."""
+    how = layout.collectives()
+    split_specs = {}
+    for pl in layout.params:
+        if pl.split > 1 and how[pl.path] is None:
+            raise ValueError(f"parameter {pl.path!r} is split but not sharded: only sharded (zero3 or hsdp) "
                              f"kernels can be split")
-    how = {path: collective(spec, axes, path in two_stage) for path, spec in specs_by_path.items()}
-    split_specs = {path: SplitEntry(sharded_dim(specs_by_path[path]), how[path], k,
-                                    axes_size(mesh, how[path].axes), path in in_loop)
-                   for path, k in splits.items()}
-    loop_specs = {path: (sharded_dim(specs_by_path[path]), how[path]) for path in in_loop
-                  if how[path] is not None and path not in splits}
-    return _Layout(how, loop_specs, split_specs)
+        if how[pl.path] is not None and (pl.split > 1 or (pl.dense and not pl.in_loop)):
+            split_specs[pl.path] = SplitEntry(sharded_dim(pl.spec), how[pl.path], pl.split,
+                                              axes_size(mesh, how[pl.path].axes), pl.in_loop)
+    loop_specs = {pl.path: (sharded_dim(pl.spec), how[pl.path]) for pl in layout.params
+                  if pl.in_loop and how[pl.path] is not None and pl.split == 1}
+    return _Gathering(how, loop_specs, split_specs)
 
 
-def _at_layer(loss_fn, params, batch, kwargs, specs_by_path, lay: _Layout, mesh):
-    """Per-step sharded kernels of dense layers, gathered at the layer, from its input (k = 1 in
-    osdp_jax.split), not before the loss: XLA:CPU's scheduler would otherwise gather them at the
-    start of the step and keep them alive through the layer loops."""
-    layered, dense = _discover_cached(loss_fn, params, batch, kwargs)  # layered: stacked kernels
-    how = lay.how
-    at_layer = {path: SplitEntry(sharded_dim(specs_by_path[path]), how[path], 1,
-                                 axes_size(mesh, how[path].axes), False)
-                for path in dense - layered if path not in lay.split_specs and how.get(path) is not None}
-    return {**lay.split_specs, **at_layer}
-
-
-def _example_kwargs(options: StepOptions, state, rng):
-    kwargs = {}
-    if options.rng:
-        kwargs["rng"] = rng
-    if options.state:
-        kwargs["state"] = state
-    return kwargs
-
-
-def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(), splits=None,
-               two_stage=frozenset(), options: StepOptions = StepOptions()):
-    """An un-jitted step ``(params, opt_state, batch[, state][, rng]) -> (params, opt_state, loss[, aux][, state])``.
+def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOptions()):
+    """An un-jitted step ``(params, opt_state, batch[, state][, rng]) -> (params, opt_state, loss[, aux][, state])``
+    for ``layout`` (a :class:`~osdp_jax.Layout` or a ``Plan``).
 
     The gradients are computed per device under ``jax.shard_map`` (:func:`grad_body`); the
     optimizer then runs on the global arrays, outside the shard_map, so a transformation that
@@ -303,11 +202,11 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
     gradients, not one device's shards, and every replica of a replicated parameter and of its
     optimizer state gets bit-identical values (XLA computes replicated elementwise updates the
     same way on every device; the one cross-device sum, the norm, is an all-reduce).
-
-    ``splits`` maps the paths of split kernels to their slice count k (> 1; sharded kernels
-    only); parameters in ``two_stage`` are gathered one mesh axis at a time.
     """
-    lay = _layout(mesh, specs_by_path, in_loop, splits, two_stage, axes)
+    layout = as_layout(layout)
+    axes = layout.axes
+    g = _gathering(layout, mesh)
+    specs_by_path = layout.specs_by_path
 
     def step(params, opt_state, batch, *extra):
         n = axes_size(mesh, axes)
@@ -318,8 +217,6 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         if extra:
             raise TypeError(f"the step takes (params, opt_state, batch{', state' if options.state else ''}"
                             f"{', rng' if options.rng else ''}); got {len(extra)} more argument(s)")
-        split_specs = _at_layer(loss_fn, params, batch, _example_kwargs(options, state, rng),
-                                specs_by_path, lay, mesh)
         p_specs = spec_tree(params, specs_by_path)
         o_specs = opt_state_specs(optimizer, opt_state, p_specs)
         s_specs = jax.tree.map(lambda _: P(), state)
@@ -329,7 +226,7 @@ def build_step(loss_fn, optimizer, mesh, axes, specs_by_path, in_loop=frozenset(
         params, opt_state, batch, state = jax.tree.map(
             lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch, state),
             (p_specs, o_specs, in_specs[1], s_specs))
-        body = grad_body(loss_fn, p_specs, axes, n, lay.loop_specs, split_specs, lay.how, options)
+        body = grad_body(loss_fn, p_specs, axes, n, g.loop_specs, g.split_specs, g.how, options)
         aux_spec = P(axis_entry(axes)) if options.aux == "gather" else P()
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                                out_specs=(P(), aux_spec, p_specs, P()), check_vma=False)
@@ -409,7 +306,7 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
         ``(loss, new_state)`` (``(loss, (aux, new_state))`` with ``has_aux``).
       optimizer: an ``optax.GradientTransformation``; it runs on the global gradients, so
         cross-parameter transformations such as ``optax.clip_by_global_norm`` are exact.
-      plan: the :class:`osdp_jax.Plan` the params were sharded with.
+      plan: the :class:`osdp_jax.Plan` (or :class:`osdp_jax.Layout`) the params were sharded with.
       mesh: the mesh the plan was made for.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``aux`` after the loss.
       aux: ``"mean"``: each floating aux leaf is averaged over the data-parallel devices (each
@@ -428,9 +325,8 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
         ``ValueError`` naming the planned size.
     """
     options = StepOptions(has_aux, aux, rng, state)
-    step = build_step(loss_fn, optimizer, mesh, plan.axes, plan.specs_by_path, plan.in_loop,
-                      plan.splits_by_path, plan.two_stage, options)
-    return TrainStep(jit_step(step), "train step", None if any_batch_size else getattr(plan, "batch_size", None))
+    step = build_step(loss_fn, optimizer, mesh, plan, options)
+    return TrainStep(jit_step(step), "train step", None if any_batch_size else plan.batch_size)
 
 
 def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, state: bool = False):
@@ -444,25 +340,24 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
     data-parallel device count divides is accepted.
     """
     options = StepOptions(False, aux, rng, False)
-    lay = _layout(mesh, plan.specs_by_path, plan.in_loop, plan.splits_by_path, plan.two_stage, plan.axes)
-    axes = plan.axes
+    layout = as_layout(plan)
+    g = _gathering(layout, mesh)
+    axes = layout.axes
 
     def evaluate(params, batch, *extra):
         check_batch(batch, axes_size(mesh, axes))
         extra = list(extra)
         st = extra.pop(0) if state else None
         key = extra.pop(0) if rng else None
-        kwargs = {**({"state": st} if state else {}), **({"rng": key} if rng else {})}
-        split_specs = _at_layer(fn, params, batch, kwargs, plan.specs_by_path, lay, mesh)
-        p_specs = spec_tree(params, plan.specs_by_path)
-        view = model_view(fn, p_specs, lay.loop_specs, split_specs, lay.how)
+        p_specs = spec_tree(params, layout.specs_by_path)
+        view = model_view(fn, p_specs, g.loop_specs, g.split_specs, g.how)
 
         def body(p, b, s, r):
             kw = {}
             if state:
                 kw["state"] = s
             if rng:
-                kw["rng"] = jax.random.fold_in(r, _device_index(axes))
+                kw["rng"] = jax.random.fold_in(r, device_index(axes))
             return jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), view(p, b, **kw))
 
         out_spec = P(axis_entry(axes)) if aux == "gather" else P()
@@ -474,17 +369,113 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
     return TrainStep(jax.jit(evaluate), "eval step")
 
 
-def abstract_args(optimizer, params, batch, mesh, axes, specs_by_path):
-    """``ShapeDtypeStruct`` (params, opt_state, batch) carrying the planned shardings, for lowering.
+# --- placing parameters and optimizer state ----------------------------------------------------
 
-    Nothing is allocated: the optimizer state comes from ``jax.eval_shape``.
+def place(params, mesh, layout):
+    """``params`` placed on ``mesh`` per ``layout`` (a ``Layout`` or ``Plan``): the same tree type
+    back (boxes, nnx.State kept). ``jax.ShapeDtypeStruct`` leaves come back as ``ShapeDtypeStruct``
+    carrying the sharding. Arrays are copied, never aliased, so donating the result to a train
+    step leaves the caller's arrays intact. On a mesh spanning several processes
+    (``jax.distributed``), every process passes the same values."""
+    layout = as_layout(layout)
+    check_matches(layout, params)
+    specs = spec_tree(params, layout.specs_by_path)
+
+    def one(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if not sharding.is_fully_addressable:
+            # a mesh over several processes: every process holds the same whole value and places
+            # the shards of its own devices
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        if isinstance(x, jax.Array):
+            # device_put may hand back the caller's buffer as one of the shards (even with
+            # may_alias=False in jax 0.10), and the train step donates it: copy first.
+            x = jnp.copy(x)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, params, specs)
+
+
+def check_matches(layout, params) -> None:
+    """A ``ValueError`` unless ``params`` are what ``layout`` was made for (a ``Plan`` checks
+    shapes too; a ``Layout`` the parameter paths)."""
+    infos = describe(params)
+    if hasattr(layout, "check_matches"):
+        layout.check_matches(infos)
+        return
+    ours = {pl.path for pl in as_layout(layout).params}
+    theirs = {i.path for i in infos}
+    if ours != theirs:
+        diff = sorted(ours ^ theirs)[:3]
+        raise ValueError(f"the params do not match the plan (parameters differ, e.g. {diff}); plan again for "
+                         f"these params")
+
+
+def init_opt_state(optimizer, params, plan, mesh):
+    """``optimizer.init(params)`` with each state leaf sharded like its parameter.
+
+    The state is created directly in place (``jit`` with ``out_shardings``), never gathered.
     """
-    p_specs = spec_tree(params, specs_by_path)
-    opt_state = jax.eval_shape(optimizer.init, params)
+    abstract = jax.eval_shape(optimizer.init, params)
+    specs = opt_state_specs(optimizer, abstract, spec_tree(params, as_layout(plan).specs_by_path))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def abstract_state(params, plan, mesh, optimizer=None):
+    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` trees carrying the planned shardings.
+
+    These are the targets orbax restores onto (``ocp.args.StandardRestore(target)``), so a
+    checkpoint written under any mesh or plan comes back laid out as ``plan`` says on ``mesh``;
+    nothing is allocated. ``params`` may be arrays or ``ShapeDtypeStruct``s (any tree type);
+    ``opt_state`` is None without an ``optimizer``.
+    """
+    layout = as_layout(plan)
+    check_matches(layout, params)
+    p_specs = spec_tree(params, layout.specs_by_path)
 
     def sds(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-    return (jax.tree.map(sds, params, p_specs),
-            jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs)),
-            jax.tree.map(sds, batch, batch_specs(batch, axes)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    params_t = jax.tree.map(sds, abstract, p_specs)
+    if optimizer is None:
+        return params_t, None
+    opt_state = jax.eval_shape(optimizer.init, abstract)
+    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs))
+
+
+def batch_sharding(mesh, plan) -> NamedSharding:
+    """The sharding of every batch leaf under ``plan``: split along its leading (global batch)
+    dimension over the data-parallel axes."""
+    return NamedSharding(mesh, P(axis_entry(as_layout(plan).axes)))
+
+
+# --- compiling without allocating --------------------------------------------------------------
+
+def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
+    """The train step for ``plan`` (a ``Plan`` or ``Layout``) lowered and compiled on abstract
+    inputs: nothing is allocated. ``params`` and ``batch`` may be arrays or ``ShapeDtypeStruct``s;
+    ``options`` are :func:`make_train_step`'s ``has_aux`` and ``aux``, and ``embed_lookup=False`` to
+    compile with Flax's own Embed lookup instead of ``runtime.kernels.lookup``. Read XLA's
+    per-device figures with :func:`osdp_jax.profile_compiled`."""
+    args = abstract_args(optimizer, params, batch, mesh, plan)
+    step = jit_step(build_step(loss_fn, optimizer, mesh, plan, StepOptions(**options)))
+    return step.lower(*args).compile()
+
+
+def abstract_args(optimizer, params, batch, mesh, plan) -> tuple:
+    """``(params, opt_state, batch)`` as ``ShapeDtypeStruct``s carrying ``plan``'s shardings: the
+    train step's inputs, for lowering it without allocating."""
+    p_t, o_t = abstract_state(params, plan, mesh, optimizer)
+    b_t = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
+                       batch, batch_specs(batch, as_layout(plan).axes))
+    return p_t, o_t, b_t
+
+
+def profile_step(loss_fn, optimizer, params, batch, mesh, plan, **options) -> StepProfile:
+    """XLA's per-device figures (:class:`osdp_jax.StepProfile`) for the step under ``plan``."""
+    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options))

@@ -1,0 +1,172 @@
+"""Calibration: the cost model's terms fitted on probe steps.
+
+Activations, temporaries and FLOPs are not modelled from first principles; they are read off
+compiled *probe* steps of the real loss (:class:`ProbeKind`), at the smallest and largest
+candidate batch size, and interpolated between (``_cost.fit``, ``_cost.interpolate``). With
+``measure_time`` the probes are also run and timed, and the compute and collective seconds scaled
+to the measurements (``_cost.fit_time``).
+
+Where the figures come from is a :class:`Calibrator`: :class:`XlaCalibrator` compiles (and
+times) the probes; :class:`RecordedCalibrator` reads figures recorded earlier (a JSON file or a
+dict), so the planner's decisions can be tested in milliseconds. ``XlaCalibrator(record=...)``
+writes such a file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import pathlib
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from ._cost import Calibration, comm_seconds, fit, fit_time, interpolate
+from ._problem import Problem
+from ._xla import StepProfile, profile_compiled, time_compiled
+from .runtime.step import abstract_args, compile_step
+
+log = logging.getLogger("osdp_jax")
+
+
+class ProbeKind(enum.Enum):
+    """The probe steps the cost model is fitted on."""
+
+    REPLICATE = "R"  # every parameter replicated: the activations and the all-reduce buffer
+    ZERO3 = "Z"  # every shardable parameter zero3: zeta (per-step gathered weights)
+    LAYER = "L"  # only the per-layer parameters zero3: kappa (temp saved per layer-gathered byte)
+    SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
+
+    def zero3(self, info, problem: Problem) -> bool:
+        """Whether this probe makes ``info`` zero3."""
+        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}[self.value]
+
+
+class Calibrator(Protocol):
+    """Where probe figures come from."""
+
+    def profile(self, problem: Problem, kind: ProbeKind, batch, splits: dict,
+                timed: bool) -> tuple[StepProfile, float | None]:
+        """XLA's figures for the probe ``kind`` at the (abstract) ``batch``, and its measured
+        seconds per step when ``timed`` (None when not timed or it does not fit the devices)."""
+
+
+def _batch_size(batch) -> int:
+    return int(jax.tree.leaves(batch)[0].shape[0])
+
+
+@dataclasses.dataclass
+class XlaCalibrator:
+    """Compile (and, when asked, time) the probe steps of ``loss_fn`` on ``mesh``.
+
+    ``device_bytes``: a timed probe runs only if it fits the devices' memory. ``record``: a path
+    to write every probe's figures to, as JSON that :class:`RecordedCalibrator` reads.
+    """
+
+    loss_fn: object
+    optimizer: object
+    params: object  # abstract
+    mesh: object
+    device_bytes: float
+    record: str | pathlib.Path | None = None
+    _recorded: dict = dataclasses.field(default_factory=dict)
+
+    def profile(self, problem, kind, batch, splits, timed):
+        layout = problem.layout(lambda i: kind.zero3(i, problem), splits)
+        compiled = compile_step(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
+        prof = profile_compiled(compiled)
+        seconds = None
+        if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget
+            seconds = time_compiled(compiled, abstract_args(self.optimizer, self.params, batch, self.mesh, layout))
+        if self.record is not None:
+            self._recorded[f"{kind.value}/{_batch_size(batch)}"] = {**dataclasses.asdict(prof), "seconds": seconds}
+            pathlib.Path(self.record).write_text(json.dumps(self._recorded, indent=1, sort_keys=True))
+        return prof, seconds
+
+
+@dataclasses.dataclass
+class RecordedCalibrator:
+    """Probe figures recorded earlier: ``{"<kind>/<batch size>": StepProfile fields + "seconds"}``,
+    e.g. ``{"R/32": {"argument_bytes": ..., ..., "seconds": null}}``."""
+
+    figures: dict
+    progress_desc = "osdp-jax: reading recorded probes"
+
+    @classmethod
+    def from_json(cls, path) -> "RecordedCalibrator":
+        return cls(json.loads(pathlib.Path(path).read_text()))
+
+    def profile(self, problem, kind, batch, splits, timed):
+        key = f"{kind.value}/{_batch_size(batch)}"
+        if key not in self.figures:
+            raise KeyError(f"no recorded probe {key!r}; recorded: {sorted(self.figures)}")
+        fig = dict(self.figures[key])
+        seconds = fig.pop("seconds", None)
+        return StepProfile(**fig), seconds if timed else None
+
+
+def probe_kinds(problem: Problem) -> list[ProbeKind]:
+    """The probes a problem needs: LAYER only when it has both per-layer and per-step shardable
+    parameters, SPLIT only when a per-layer kernel can split."""
+    can_shard, loop = problem.can_shard(), problem.loop_mask()
+    kinds = [ProbeKind.REPLICATE, ProbeKind.ZERO3]
+    if (can_shard & loop).any() and (can_shard & ~loop).any():
+        kinds.append(ProbeKind.LAYER)
+    if split_probe(problem):
+        kinds.append(ProbeKind.SPLIT)
+    return kinds
+
+
+def split_probe(problem: Problem) -> dict[str, int]:
+    """The SPLIT probe's split counts: every per-layer splittable kernel at its largest k."""
+    return {i.path: problem.split_ks[i.path, "zero3"][-1] for i in problem.infos
+            if i.path in problem.in_loop and problem.split_ks.get((i.path, "zero3"))}
+
+
+def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
+              progress=lambda jobs, desc: jobs) -> dict:
+    """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
+    (batch size -> abstract batch), interpolated for the sizes between."""
+    sizes = sorted(batches)
+    kinds = probe_kinds(problem)
+    splits = split_probe(problem)
+    split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
+    jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
+    desc = getattr(calibrator, "progress_desc", None) or (
+        "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
+    runs = {(kind, b): calibrator.profile(problem, kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
+                                          measure_time and kind is not ProbeKind.SPLIT)
+            for kind, b in progress(jobs, desc)}
+    p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
+    can_shard, loop = problem.can_shard(), problem.loop_mask()
+    probed = {}
+    for b in sorted({sizes[0], sizes[-1]}):
+        got = {kind: runs[kind, b][0] for kind in kinds}
+        # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
+        per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
+        probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
+                        got.get(ProbeKind.SPLIT), split_share)
+        timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
+                 for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
+        if timed:
+            cf, cc = fit_time(timed)
+            probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
+            log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
+    return {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
+
+
+def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:
+    """Modelled collective seconds of a probe's layout (no splits)."""
+    return sum(comm_seconds(i.nbytes, "zero3", hw, problem.topo, i.shape[0] if i.path in problem.in_loop else 0)
+               if kind.zero3(i, problem) and problem.spec_of(i, "zero3") is not None
+               else comm_seconds(i.nbytes, "replicate", hw, problem.topo) for i in problem.infos)
+
+
+def uncalibrated(sizes) -> dict:
+    """No loss function to probe: ``_cost`` uses its estimates."""
+    return {s: None for s in sizes}
+
+
+__all__ = ["Calibration", "Calibrator", "ProbeKind", "RecordedCalibrator", "XlaCalibrator", "calibrate"]

@@ -1,0 +1,117 @@
+"""The planning problem: per parameter, which (strategy, split count k) choices exist.
+
+A :class:`Problem` holds the parameters (``describe``), the data-parallel axes, what tracing the
+loss found (parameters gathered per layer, kernels of dense layers) and the choice matrix: one
+column per (strategy, k), one storage ``PartitionSpec`` per parameter and column, None where the
+choice does not apply (a dimension the devices do not divide, a kernel that cannot split in k).
+Everything else in the planner reads it; nothing here compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ._cost import Topology
+from ._describe import ParamInfo, describe
+from ._discover import discover
+from ._layout import Layout, ParamLayout
+from ._strategies import axes_size, sharded_dim, spec_for
+
+log = logging.getLogger("osdp_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Parameters and their available choices (see the module docstring)."""
+
+    infos: tuple[ParamInfo, ...]
+    axes: tuple[str, ...]
+    n: int  # data-parallel devices
+    topo: Topology
+    strategies: tuple[str, ...]  # allowed by the user
+    columns: tuple[tuple[str, int], ...]  # (strategy, k) per column
+    options: tuple[tuple[P | None, ...], ...]  # [parameter][column] storage spec, None: unavailable
+    in_loop: frozenset[str] = frozenset()  # gathered per layer by the model (gather_params)
+    dense: frozenset[str] = frozenset()  # kernels of dense layers outside layer loops (gathered at the layer)
+    split_ks: dict = dataclasses.field(default_factory=dict)  # (path, strategy) -> [k > 1 it can take]
+
+    @property
+    def available(self) -> np.ndarray:
+        return np.array([[o is not None for o in row] for row in self.options], dtype=bool)
+
+    def spec_of(self, info: ParamInfo, strategy: str) -> P | None:
+        return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner)
+
+    def can_shard(self) -> np.ndarray:
+        return np.array([self.spec_of(i, "zero3") is not None for i in self.infos])
+
+    def loop_mask(self) -> np.ndarray:
+        return np.array([i.path in self.in_loop for i in self.infos])
+
+    def layout(self, zero3_where=lambda info: False, splits=None) -> Layout:
+        """A probe's layout: zero3 where ``zero3_where(info)`` (and it applies), else replicated;
+        ``splits`` (path -> k) on sharded kernels."""
+        splits = splits or {}
+        params = []
+        for i in self.infos:
+            spec = (self.spec_of(i, "zero3") if zero3_where(i) else None) or P()
+            strategy = "replicate" if sharded_dim(spec) is None else "zero3"
+            params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop,
+                                      splits.get(i.path, 1) if strategy == "zero3" else 1, False,
+                                      i.path in self.dense))
+        return Layout(tuple(params), self.axes)
+
+
+def _split_counts(problem: Problem, info: ParamInfo, strategy: str, splittable, splits) -> list[int]:
+    """Split counts k > 1 a sharded kernel can take: its gather group times k must divide its
+    sharded dimension."""
+    spec = problem.spec_of(info, strategy)
+    if info.path not in splittable or spec is None:
+        return []
+    size, group = info.shape[sharded_dim(spec)], (problem.n if strategy == "zero3" else problem.topo.inner)
+    return [k for k in splits if k > 1 and size % (group * k) == 0]
+
+
+def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=None) -> Problem:
+    """The problem for ``params`` on ``mesh``'s data-parallel ``axes``; with ``loss_fn`` and an
+    (abstract) ``batch``, the loss is traced once to find per-layer parameters and dense kernels.
+
+    Columns: every allowed strategy at k = 1, then the sharded ones at each k > 1 of ``splits``.
+    A parameter no allowed strategy can store (a 0-d scalar, or no dimension the devices divide,
+    under zero3) is replicated, the one layout that always applies.
+    """
+    infos = tuple(describe(params))
+    in_loop, dense, splittable = frozenset(), frozenset(), frozenset()
+    if loss_fn is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        shapes = {i.path: i.shape for i in infos}
+        loop_found, dense_found = discover(loss_fn, abstract, batch)
+        in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
+        splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
+        dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
+    topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
+    names = strategies if "replicate" in strategies else (*strategies, "replicate")
+    sharded = [s for s in ("zero3", "hsdp") if s in strategies]
+    columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
+    problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
+                      in_loop, dense)
+    ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
+    options = []
+    for i in infos:
+        row = []
+        for s, k in columns:
+            spec = problem.spec_of(i, s) if s in strategies else None
+            if s in sharded and k > 1 and k not in ks[i.path, s]:
+                spec = None
+            if s in sharded and k == 1 and 1 not in splits and ks[i.path, s]:
+                spec = None  # this kernel must split
+            row.append(spec)
+        if all(o is None for o in row):
+            row[columns.index(("replicate", 1))] = P()
+            log.info("parameter %s %s cannot be stored as %s: replicated", i.path, i.shape, "/".join(strategies))
+        options.append(tuple(row))
+    return dataclasses.replace(problem, options=tuple(options), split_ks=ks)

@@ -1,0 +1,13 @@
+"""The planner's stages, for users who drive or test them (public).
+
+``plan()`` runs: ``build_problem`` -> ``calibrate`` (probe steps, through a ``Calibrator``) -> cost
+tables -> exact search -> ``verify``. A :class:`RecordedCalibrator` feeds recorded probe figures
+instead of compiling (tests, offline what-ifs); :class:`XlaCalibrator` compiles, and with
+``record=`` writes the figures for the former.
+"""
+from ._calibration import Calibrator, ProbeKind, RecordedCalibrator, XlaCalibrator, calibrate
+from ._planner import PlanOptions
+from ._problem import Problem, build_problem
+
+__all__ = ["Calibrator", "PlanOptions", "ProbeKind", "Problem", "RecordedCalibrator", "XlaCalibrator",
+           "build_problem", "calibrate"]

@@ -1,0 +1,11 @@
+"""What runs inside an osdp-jax train step, importing one way:
+
+    collectives  (the gather primitive and its reduce-scatter backward)
+        -> context     (the step context, SplitKernel)
+        -> kernels     (split matmul, embedding lookup, gathering after an input is ready)
+        -> hooks       (gather_params, split.dense: what models call)
+        -> interception (unmodified Flax Dense/Linear/Embed routed to the hooks, thread-scoped)
+        -> step        (the train and eval steps, placing params, compiling a step)
+
+This package imports nothing from the planner.
+"""

@@ -1,0 +1,120 @@
+"""Unmodified Flax layers routed to the step's kernels while a step is traced, in this thread only.
+
+Inside ``intercepting()``:
+
+- ``flax.linen.Dense`` and ``flax.nnx.Linear`` call :func:`~osdp_jax.runtime.hooks.dense` (a
+  split or layer-gathered kernel runs there);
+- ``flax.linen.Embed`` and ``flax.nnx.Embed`` look up through
+  :func:`~osdp_jax.runtime.kernels.lookup` (their ``attend`` is unchanged).
+
+Flax's hooks come first. Linen has its own scoped, thread-local interception,
+``nn.intercept_methods``, used here. ``nnx.Linear`` and ``linen.Dense`` also take ``dot_general=``
+and ``promote_dtype=``, but only where a model constructs them: a user's model, built with the
+defaults inside its ``loss_fn`` (``nnx.merge``), cannot be handed one. So ``nnx.Linear.__call__``
+and ``nnx.Embed.__call__`` are wrapped once, on first use, by a function that defers to Flax's own
+method unless *this thread* is inside ``intercepting()``: no other thread, and no code outside a
+step's trace, sees a difference.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from .context import SplitKernel
+from .hooks import dense, record
+from .kernels import lookup
+
+_LOCAL = threading.local()  # .depth: intercepting() contexts this thread is in; .lookups: Embed routed
+_LOCK = threading.Lock()
+_ORIGINAL: dict = {}  # (class, method name) -> Flax's own method
+
+
+def active() -> bool:
+    """Whether this thread is inside ``intercepting()``."""
+    return getattr(_LOCAL, "depth", 0) > 0
+
+
+def _install(cls, name: str, replacement) -> None:
+    """Wrap ``cls.name`` once: ``replacement(original, self, ...)`` in an intercepting thread,
+    Flax's own method everywhere else."""
+    with _LOCK:
+        if (cls, name) in _ORIGINAL:
+            return
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def dispatch(self, *args, **kwargs):
+            if active():
+                return replacement(original, self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+
+        _ORIGINAL[(cls, name)] = original
+        setattr(cls, name, dispatch)
+
+
+def _linen(next_fun, args, kwargs, context):
+    """One linen interceptor for Dense and Embed calls."""
+    module = context.module
+    if context.method_name != "__call__" or module.scope is None or len(args) != 1 or kwargs:
+        return next_fun(*args, **kwargs)
+    if type(module) is nn.Dense:
+        if (not module.scope.has_variable("params", "kernel") or module.dot_general is not None
+                or module.dot_general_cls is not None):
+            return next_fun(*args, **kwargs)
+        kernel = module.scope.get_variable("params", "kernel")
+        record(kernel)
+        if not isinstance(kernel, SplitKernel):
+            return next_fun(*args, **kwargs)
+        bias = module.scope.get_variable("params", "bias") if module.use_bias else None
+        return dense(args[0], kernel, bias, precision=module.precision, dtype=module.dtype)
+    if type(module) is nn.Embed and _LOCAL.lookups:
+        if (module.num_embeddings == 1 or not jnp.issubdtype(args[0].dtype, jnp.integer)
+                or not module.scope.has_variable("params", "embedding")):
+            return next_fun(*args, **kwargs)
+        table = module.scope.get_variable("params", "embedding")
+        (table,) = module.promote_dtype(table, dtype=module.dtype, inexact=False)
+        return lookup(table, args[0])
+    return next_fun(*args, **kwargs)
+
+
+def _nnx_linear(original, self, inputs, out_sharding=None):
+    kernel = self.kernel[...]
+    record(kernel)
+    if not isinstance(kernel, SplitKernel):
+        return original(self, inputs, out_sharding)
+    if out_sharding is not None or getattr(self, "dot_general", jax.lax.dot_general) is not jax.lax.dot_general:
+        kernel.as_array()  # raises for a split kernel; an unsplit one is gathered by nnx's own code
+        return original(self, inputs, out_sharding)
+    bias = self.bias[...] if self.bias is not None else None
+    y = dense(inputs, kernel, bias, precision=self.precision, dtype=self.dtype)
+    return y.astype(self.preferred_element_type) if self.preferred_element_type is not None else y
+
+
+def _nnx_embed(original, self, inputs, out_sharding=None):
+    if not _LOCAL.lookups or out_sharding is not None or self.num_embeddings == 1 or not jnp.issubdtype(inputs.dtype, jnp.integer):
+        return original(self, inputs, out_sharding)
+    (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    return lookup(table, inputs)
+
+
+@contextlib.contextmanager
+def intercepting(lookups: bool = True):
+    """Route Flax Dense/Linear and Embed calls to the step's kernels, in this thread, while open.
+
+    ``lookups=False`` leaves Embed to Flax (``jnp.take``, whose table-sized gradient XLA:CPU
+    allocates at the top of the step): for measuring what :func:`~.kernels.lookup` saves."""
+    _install(nnx.Linear, "__call__", _nnx_linear)
+    _install(nnx.Embed, "__call__", _nnx_embed)
+    saved = getattr(_LOCAL, "depth", 0), getattr(_LOCAL, "lookups", True)
+    _LOCAL.depth, _LOCAL.lookups = saved[0] + 1, lookups
+    try:
+        with nn.intercept_methods(_linen):
+            yield
+    finally:
+        _LOCAL.depth, _LOCAL.lookups = saved

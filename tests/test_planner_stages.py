@@ -1,0 +1,119 @@
+"""The planner's stages on their own, without compiling: the problem (columns, availability),
+decisions from recorded probe figures (``RecordedCalibrator``), and the verification loop."""
+import dataclasses
+import pathlib
+import re
+
+import jax
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import osdp_jax
+import toy
+from osdp_jax.planning import PlanOptions, ProbeKind, RecordedCalibrator, build_problem
+from osdp_jax._verify import verify
+
+RECORDED = pathlib.Path(__file__).parent / "data" / "toy_probes.json"  # tests/data/make_recorded_probes.py
+
+
+@pytest.fixture(scope="module")
+def recorded(mesh):
+    """plan() keywords that plan the toy model from recorded probes: nothing is compiled."""
+    return dict(loss_fn=toy.plain_loss, batch=toy.tokens(32), optimizer=optax.adam(1e-3),
+                batch_sizes=(8, 16, 64), calibrator=RecordedCalibrator.from_json(RECORDED), verify=False)
+
+
+def test_problem_columns_and_availability(mesh):
+    params = toy.plain_params()
+    problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1, 2), toy.plain_loss, toy.tokens(32))
+    assert problem.columns == (("replicate", 1), ("zero3", 1), ("zero3", 2))
+    avail = dict(zip((i.path for i in problem.infos), problem.available.tolist()))
+    assert avail["block0/gate"] == [True, False, False]  # 0-d: replicated only
+    assert avail["block0/w1"] == [True, True, False]  # used through "@", not a dense layer: no split
+    assert problem.in_loop == frozenset() and problem.dense == frozenset()
+    layout = problem.layout(lambda i: ProbeKind.ZERO3.zero3(i, problem))
+    assert layout.specs_by_path["block0/w1"] == P("data") and layout.specs_by_path["block0/gate"] == P()
+
+
+def test_plan_options_dataclass_equals_keywords(mesh, recorded):
+    params = toy.plain_params()
+    by_kw = osdp_jax.plan(params, mesh, budget="64GB", **recorded)
+    by_options = osdp_jax.plan(params, mesh, PlanOptions(budget="64GB", **recorded))
+    assert by_kw.params == by_options.params and by_kw.batch_size == by_options.batch_size
+
+
+def test_recorded_decisions(mesh, recorded):
+    """Generous budget: all replicated at the fastest batch size; between the DDP and FSDP peaks:
+    a mix that fits; below the least any plan needs: one clear error whose minimum plans."""
+    params = toy.plain_params()
+    ddp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("replicate",), batch_sizes=(64,),
+                        **{k: v for k, v in recorded.items() if k != "batch_sizes"})
+    fsdp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",), batch_sizes=(64,),
+                         **{k: v for k, v in recorded.items() if k != "batch_sizes"})
+    assert fsdp.predicted_peak_bytes < ddp.predicted_peak_bytes
+    best = osdp_jax.plan(params, mesh, budget="64GB", **recorded)
+    assert set(jax.tree.leaves(best.strategies)) == {"replicate"}
+    rates = {b: osdp_jax.plan(params, mesh, budget="64GB", batch_sizes=(b,),
+                              **{k: v for k, v in recorded.items() if k != "batch_sizes"}).predicted_samples_per_second
+             for b in (8, 16, 64)}
+    assert best.batch_size == max(rates, key=rates.get)
+    budget = int((ddp.predicted_peak_bytes + fsdp.predicted_peak_bytes) / 2)
+    mixed = osdp_jax.plan(params, mesh, budget=budget, batch_sizes=(64,),
+                          **{k: v for k, v in recorded.items() if k != "batch_sizes"})
+    assert mixed.counts().get("zero3") and mixed.counts().get("replicate")
+    assert mixed.predicted_peak_bytes <= budget
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
+        osdp_jax.plan(params, mesh, budget=int(fsdp.predicted_peak_bytes // 4), **recorded)
+    err = info.value
+    assert osdp_jax.plan(params, mesh, budget=err.min_bytes, **recorded).predicted_peak_bytes <= err.min_bytes
+
+
+def test_infeasible_message_fits_the_mesh(mesh, recorded):
+    """On a 1-D mesh only the strategies that apply are named; "allow 'zero3'" only when it was
+    not allowed; sizes in human units and bytes."""
+    params = toy.plain_params()
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
+        osdp_jax.plan(params, mesh, budget="100kB", **recorded)
+    text = str(info.value)
+    assert "hsdp" not in text and "allow 'zero3'" not in text, text
+    assert "97.66 KiB (100000 bytes)" in text and re.search(r"fits is [\d.]+ [KMG]iB \(\d+ bytes\)", text), text
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
+        osdp_jax.plan(params, mesh, budget="100kB", strategies=("replicate",), **recorded)
+    assert "allow 'zero3'" in str(info.value)
+
+
+def test_a_missing_recorded_probe_is_named(mesh, recorded):
+    with pytest.raises(KeyError, match="no recorded probe 'R/32'"):
+        osdp_jax.plan(toy.plain_params(), mesh, budget="64GB", **{**recorded, "batch_sizes": (32,)})
+
+
+@dataclasses.dataclass
+class _Candidate:
+    name: str
+    predicted_peak_bytes: float
+
+
+def test_verification_replans_then_tries_least_memory_then_reports_xla():
+    plans = {"a": 100.0, "b": 90.0, "least": 80.0}
+    build = lambda c, xla_peak=None: dataclasses.replace(c, predicted_peak_bytes=plans[c.name]) \
+        if xla_peak is None else (c.name, xla_peak)  # noqa: E731
+    limits = []
+
+    def search(limit):
+        limits.append(limit)
+        return _Candidate("b", 90.0)
+
+    xla = {"a": 120, "b": 95, "least": 85}
+    peak = lambda p: xla[p.name]  # noqa: E731
+    # a is 20 over its prediction: search again 20 below the budget; b then fits
+    assert verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak) == ("b", 95)
+    assert limits == [80.0]
+    # nothing fits: the least-memory plan's XLA peak is the minimum reported
+    xla.update(b=150, least=101)
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
+        verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak)
+    assert info.value.min_bytes == 101
+    # the least-memory plan fits when the others did not
+    xla.update(least=99)
+    assert verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak) == ("least", 99)
