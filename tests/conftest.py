@@ -5,7 +5,9 @@ import os
 import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="osdp-jax-tests-xla-cache-"))
+# one cache per xdist worker (a cache file is not written atomically for a concurrent reader)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(
+    prefix=f"osdp-jax-tests-xla-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402

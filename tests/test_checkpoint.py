@@ -37,13 +37,24 @@ def _setup(args=ARGS):
 
 @pytest.fixture(scope="module")
 def split_plan(tmp_path_factory):
-    """The planner's mixed plan for ARGS, with the layer stack's FFN kernels zero3 in 2 slices: a
-    mixed plan with split kernels (at this size the planner alone would not split)."""
-    plan = runner.make_plan(_setup())
-    pps = tuple(dataclasses.replace(pp, strategy="zero3", spec=P(None, "data"), split=2)
-                if pp.path in SPLIT else pp for pp in plan.params)
-    plan = dataclasses.replace(plan, params=pps)
-    assert plan.counts()["replicate"] and plan.counts()["zero3"] and len(plan.splits_by_path) == 2
+    """A mixed plan with split kernels, written by hand on the planner's parameter table (nothing
+    compiled): the layer stack's FFN kernels zero3 gathered per layer in 2 slices, the LM head
+    zero3 gathered at its layer, the token embedding zero3 (looked up by the step's lookup), the
+    rest replicated."""
+    s = _setup()
+    abstract, batch = s.abstract_params(), s.abstract_batch(32)
+    base = osdp_jax.plan(abstract, s.mesh, budget="1GB", batch=batch, optimizer=s.optimizer,
+                         strategies=("replicate",))
+    in_loop, dense = osdp_jax.discover(s.loss_fn, abstract, batch)
+    zero3 = {**{p: (P(None, "data"), 2) for p in SPLIT}, "lm_head/kernel": (P("data"), 1),
+             "wte/embedding": (P("data"), 1)}
+    pps = tuple(dataclasses.replace(pp, in_loop=pp.path in in_loop, dense=pp.path in dense - in_loop,
+                                    **({"strategy": "zero3", "spec": zero3[pp.path][0], "split": zero3[pp.path][1]}
+                                       if pp.path in zero3 else {}))
+                for pp in base.params)
+    plan = dataclasses.replace(base, params=pps)
+    assert plan.batch_size == 32 and plan.counts()["replicate"] and plan.counts()["zero3"] == 4
+    assert len(plan.splits_by_path) == 2 and plan.layout.dense == {"lm_head/kernel"}
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_text(plan.to_json())
     return path
@@ -144,6 +155,8 @@ def test_sigterm_checkpoints_the_step_and_resumes_bit_identical(tmp_path, uninte
     _same_run(out, uninterrupted, tmp_path)
 
 
+@pytest.mark.slow  # ~50 s (the main job's planning at three batch sizes); the mixed split-plan kill
+# test above asserts the same behaviour (mixed plan, the same config's clipped AdamW) in the default run
 def test_main_job_config_as_shipped_resumes_bit_identical(tmp_path):
     """The README's main job (its mixed plan at batch 256, AdamW with clipping), killed at a random
     step and resumed, ends bit-identical to an uninterrupted run of the same length."""
@@ -224,8 +237,11 @@ def test_existing_run_without_resume_is_refused(uninterrupted, capsys):
     assert (uninterrupted / "metrics.jsonl").read_text() == before
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "nan"
+    # what is tested is the divergence check, not planning: an all-replicated plan, nothing compiled
+    monkeypatch.setattr(runner, "make_plan", lambda s: osdp_jax.plan(
+        s.abstract_params(), s.mesh, budget="1GB", batch=s.abstract_batch(32), optimizer=s.optimizer))
     code = cli.main(["train", CONFIG, "--out", str(out), "--steps", "30", "--checkpoint-every", "1",
                      "--plan.batch_sizes=32", "--optim.name=sgd", "--optim.learning_rate=1e12"])
     err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("osdp-jax: error")]

@@ -1,5 +1,6 @@
-"""Training across processes with jax.distributed on loopback: 2 processes x 4 CPU devices equal
-one process with 8, and a killed peer stops the run with a clear error."""
+"""Training across processes with jax.distributed on loopback: 2 processes x 4 CPU devices stop
+together on SIGTERM, resume and equal one process with 8; a killed or missing peer stops the run
+with a clear error; a second signal exits at once."""
 import json
 import os
 import signal
@@ -18,17 +19,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _losses(run):
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_two_processes_equal_one(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert cli.main(["train", CONFIG, "--steps", "4", "--out", str(one), *FLAGS]) == 0
-    assert cli.main(["launch", "--processes", "2", CONFIG, "--steps", "4", "--out", str(two), *FLAGS]) == 0
-    summary = json.loads((two / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["devices"] == 8 and summary["steps"] == 4
-    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5, abs=0)
-    # the checkpoint at the end was written once, by all processes together
-    assert [p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit()] == ["4"]
 
 
 @pytest.mark.slow  # ~50 s; keeps the default suite near 10 minutes
@@ -99,10 +89,11 @@ def _start_and_wait_for_steps(cmd, out, steps=2, timeout=300):
     return proc
 
 
-def test_sigterm_under_launch_checkpoints_one_agreed_step_and_resumes(tmp_path):
-    """SIGTERM to the launcher: every process stops after the same step, one checkpoint is written
-    together, and the run resumes from it."""
-    out = tmp_path / "run"
+def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
+    """Under launch (2 processes x 4 devices): SIGTERM to the launcher stops every process after
+    the same step, with one checkpoint written together; the run resumes from it, and its losses
+    equal one process with 8 devices."""
+    out, one = tmp_path / "two", tmp_path / "one"
     launcher = _start_and_wait_for_steps(
         [sys.executable, "-m", "experiments.cli", "launch", "--processes", "2", CONFIG, "--steps", "100000",
          "--out", str(out), *FLAGS], out)
@@ -113,12 +104,15 @@ def test_sigterm_under_launch_checkpoints_one_agreed_step_and_resumes(tmp_path):
     steps = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
     assert len(steps) == 1, steps
     assert f"checkpoint of step {steps[0]} saved" in err
-    logged = (out / "metrics.jsonl").read_text().count("\n")
-    assert logged == steps[0]  # process 0 logged exactly the steps the checkpoint holds
-    assert cli.main(["launch", "--processes", "2", CONFIG, "--steps", str(steps[0] + 2), "--out", str(out),
+    assert (out / "metrics.jsonl").read_text().count("\n") == steps[0]  # process 0 logged exactly those
+    total = steps[0] + 2
+    assert cli.main(["launch", "--processes", "2", CONFIG, "--steps", str(total), "--out", str(out),
                      *FLAGS, "--resume"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["resumed_from_step"] == steps[0] and summary["steps"] == steps[0] + 2
+    assert summary["processes"] == 2 and summary["devices"] == 8
+    assert summary["resumed_from_step"] == steps[0] and summary["steps"] == total
+    assert cli.main(["train", CONFIG, "--steps", str(total), "--out", str(one), *FLAGS]) == 0
+    assert _losses(out) == pytest.approx(_losses(one), rel=1e-5, abs=0)
 
 
 def test_a_second_signal_exits_at_once_and_keeps_the_checkpoints(tmp_path):
