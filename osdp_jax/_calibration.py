@@ -18,12 +18,12 @@ import enum
 import json
 import logging
 import pathlib
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
 
-from ._cost import Calibration, comm_seconds, fit, fit_time, interpolate
+from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.step import abstract_args, compile_step
@@ -125,10 +125,31 @@ def split_probe(problem: Problem) -> dict[str, int]:
             if i.path in problem.in_loop and problem.split_ks.get((i.path, "zero3"))}
 
 
+class Calibrated(NamedTuple):
+    """What calibration gives the planner."""
+
+    calibrations: dict  # batch size -> Calibration (None: uncalibrated estimates)
+    probes: dict  # (ProbeKind, batch size) -> StepProfile: compiled layouts whose XLA peak is known
+
+
+def probe_choices(problem: Problem, kind: ProbeKind) -> np.ndarray | None:
+    """The probe's layout as one column per parameter of ``problem``, or None when the problem's
+    columns cannot express it (e.g. zero3 not allowed)."""
+    splits = split_probe(problem) if kind is ProbeKind.SPLIT else {}
+    choices = []
+    for row, info in enumerate(problem.infos):
+        zero3 = kind.zero3(info, problem) and problem.spec_of(info, "zero3") is not None
+        column = ("zero3", splits.get(info.path, 1)) if zero3 else ("replicate", 1)
+        if column not in problem.columns or problem.options[row][problem.columns.index(column)] is None:
+            return None
+        choices.append(problem.columns.index(column))
+    return np.array(choices, dtype=np.int64)
+
+
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
-              progress=lambda jobs, desc: jobs) -> dict:
+              progress=lambda jobs, desc: jobs) -> Calibrated:
     """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
-    (batch size -> abstract batch), interpolated for the sizes between."""
+    (batch size -> abstract batch), interpolated for the sizes between; and the probes' figures."""
     sizes = sorted(batches)
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
@@ -154,7 +175,8 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
-    return {b: probed[b] if b in probed else interpolate(probed, b) for b in sizes}
+    return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
+                      {job: prof for job, (prof, _) in runs.items()})
 
 
 def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:
@@ -164,9 +186,7 @@ def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:
                else comm_seconds(i.nbytes, "replicate", hw, problem.topo) for i in problem.infos)
 
 
-def uncalibrated(sizes) -> dict:
-    """No loss function to probe: ``_cost`` uses its estimates."""
-    return {s: None for s in sizes}
+def uncalibrated(sizes) -> Calibrated:
+    """No loss function to probe: ``_cost`` uses its estimates, and no layout's XLA peak is known."""
+    return Calibrated({s: None for s in sizes}, {})
 
-
-__all__ = ["Calibration", "Calibrator", "ProbeKind", "RecordedCalibrator", "XlaCalibrator", "calibrate"]

@@ -15,13 +15,13 @@ import jax
 import numpy as np
 import optax
 
-from ._calibration import Calibrator, XlaCalibrator, calibrate, uncalibrated
+from ._calibration import Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
-from ._search import InfeasibleBudgetError, least_memory, solve_pools
+from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
 from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
@@ -73,26 +73,29 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     problem = build_problem(params, mesh, axes, strategies, splits, o.loss_fn,
                             None if o.batch is None else batches[min(batches)])
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
-    calibrations = (calibrate(problem, calibrator, batches, hw, o.measure_time, _progress) if o.loss_fn is not None
-                    else uncalibrated(batches))
+    calibrated = (calibrate(problem, calibrator, batches, hw, o.measure_time, _progress) if o.loss_fn is not None
+                  else uncalibrated(batches))
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
     tables = {b: cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
-                             problem.topo, hw, _batch_bytes(batches[b]), calibrations[b], problem.in_loop)
+                             problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop)
               for b in batches}
     best, min_needed = _search(tables, budget)
     seconds = time.perf_counter() - t0
-    if best is None:
-        raise InfeasibleBudgetError(_infeasible_message(budget, min_needed, strategies, axes), math.ceil(min_needed))
+    known = _known(problem, calibrated.probes, tables)  # compiled layouts, with their XLA peaks
+    verifying = o.loss_fn is not None and o.verify
+    if best is None and not (verifying and any(peak <= budget for _, peak in known)):
+        least = min([min_needed, *(peak for _, peak in known)])  # never above a layout shown to fit
+        raise InfeasibleBudgetError(_infeasible_message(budget, least, strategies, axes), math.ceil(least))
 
     def build(candidate, xla_peak=None):
         return _build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak)
 
-    if o.loss_fn is None or not o.verify:
+    if not verifying:
         return build(best)
-    return verify(best, budget, lambda limit: _search(tables, limit)[0],
-                  lambda: _least_memory(tables), build,
-                  lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p).peak_bytes)
+    return verify(best, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables), build,
+                  lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p).peak_bytes,
+                  known)
 
 
 def _optimizer(optimizer):
@@ -154,6 +157,21 @@ def _search(tables_for: dict, limit: float):
         if best is None or found[0] > best[0]:
             best = found
     return best, min_needed
+
+
+def _known(problem: Problem, probes: dict, tables_for: dict) -> list:
+    """The calibration probes as candidates, each with its XLA peak (those the columns express)."""
+    known = []
+    for (kind, size), prof in probes.items():
+        choices = probe_choices(problem, kind)
+        if choices is None or size not in tables_for:
+            continue
+        t = tables_for[size]
+        idx = np.arange(len(choices))
+        mem = float(t.mem[idx, choices].sum() + t.pools[idx, choices].sum(axis=0).max())
+        sol = Solution(choices, float(t.time[idx, choices].sum()), mem)
+        known.append((_candidate(size, sol, t), prof.peak_bytes))
+    return known
 
 
 def _least_memory(tables_for: dict):

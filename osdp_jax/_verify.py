@@ -19,23 +19,28 @@ MAX_TRIES = 3
 
 
 def verify(first, budget: int, search: Callable, least_memory: Callable, build: Callable,
-           xla_peak: Callable):
-    """The first plan, in order, whose XLA peak fits ``budget``, built with that peak recorded.
+           xla_peak: Callable, known=()):
+    """The best plan whose XLA peak fits ``budget``, built with that peak recorded.
 
     Args:
-      first: the search's choice (a candidate, as ``search`` returns it).
+      first: the search's choice (a candidate, as ``search`` returns it), or None when the cost
+        model found none.
       budget: bytes per device.
       search: ``search(limit) -> candidate | None``, the best candidate under a lowered limit.
       least_memory: ``() -> candidate``, the candidate with the smallest predicted peak.
       build: ``build(candidate, xla_peak=None) -> Plan``.
       xla_peak: ``xla_peak(plan) -> bytes``, compiling the plan's step.
+      known: ``(candidate, xla_peak)`` pairs already compiled (the calibration probes). When the
+        search's choices do not fit, the fastest known one that fits is taken unless the
+        least-memory candidate is predicted faster and fits; the minimum reported never exceeds
+        a peak that was measured.
 
     Raises:
-      InfeasibleBudgetError: no candidate fits by XLA; ``min_bytes`` is the least-memory plan's
-        XLA peak.
+      InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured
+        (the least-memory plan's or a probe's).
     """
     best, error = first, 0.0
-    for attempt in range(MAX_TRIES):
+    for attempt in range(MAX_TRIES if first is not None else 0):
         plan = build(best)
         measured = xla_peak(plan)
         if measured <= budget:
@@ -46,11 +51,20 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         best = search(budget - error)
         if best is None:
             break
-    best = least_memory()
-    measured = xla_peak(build(best))
-    if measured <= budget:
-        return build(best, measured)
+    fits = [(c, peak) for c, peak in known if peak <= budget]
+    best_known = max(fits, key=lambda cp: cp[0][0]) if fits else None
+    peaks = [peak for _, peak in known]
+    least = least_memory()
+    if best_known is None or least[0] > best_known[0][0]:
+        measured = xla_peak(build(least))
+        if measured <= budget:
+            return build(least, measured)
+        peaks.append(measured)
+    if best_known is not None:
+        log.info("taking a compiled probe's layout: its XLA peak %s fits", format_bytes(best_known[1]))
+        return build(*best_known)
+    smallest = int(min(peaks))
     raise InfeasibleBudgetError(
         f"no plan fits a per-device budget of {format_bytes(budget)} ({budget} bytes) once compiled: the "
-        f"plan that needs the least memory peaks at {format_bytes(measured)} by XLA; the smallest budget "
-        f"that fits is {format_bytes(measured)} ({measured} bytes)", min_bytes=int(measured))
+        f"least memory a compiled plan needed is {format_bytes(smallest)} by XLA; the smallest budget that "
+        f"fits is {format_bytes(smallest)} ({smallest} bytes)", min_bytes=smallest)

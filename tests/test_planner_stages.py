@@ -117,3 +117,19 @@ def test_verification_replans_then_tries_least_memory_then_reports_xla():
     # the least-memory plan fits when the others did not
     xla.update(least=99)
     assert verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak) == ("least", 99)
+
+
+def test_verification_takes_a_compiled_layout_known_to_fit():
+    """When neither the search's choices nor the least-memory candidate fit by XLA, a probe whose
+    XLA peak is known to fit is taken; the reported minimum never exceeds a measured peak."""
+    first, least = (2.0, "first"), (1.0, "least")
+    probe_fast, probe_small = (1.5, "probe-fast"), (0.5, "probe-small")
+    build = lambda c, xla_peak=None: (c[1], xla_peak) if xla_peak is not None else _Candidate(c[1], 90.0)  # noqa: E731
+    peaks = {"first": 120, "least": 110}
+    peak = lambda p: peaks[p.name]  # noqa: E731
+    known = [(probe_fast, 100), (probe_small, 95)]
+    got = verify(first, 100, lambda limit: None, lambda: least, build, peak, known)
+    assert got == ("probe-fast", 100)  # the faster of the two known to fit
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
+        verify(first, 90, lambda limit: None, lambda: least, build, peak, known)
+    assert info.value.min_bytes == 95  # a probe's peak, below the least-memory candidate's 110

@@ -100,3 +100,42 @@ def single_device_run(params, loss_fn, optimizer, batch, steps):
         params, opt_state, loss = step(params, opt_state)
         losses.append(float(loss))
     return losses, params
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, d, decode=False, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+
+
+class NnxViT(nnx.Module):
+    """A small flax.nnx ViT written as a Python loop of blocks (no osdp-jax call in it)."""
+
+    def __init__(self, rngs, d=32, depth=3, classes=10):
+        self.patch = nnx.Linear(4 * 4 * 3, d, rngs=rngs)
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), (64, d)) * 0.02)
+        self.blocks = nnx.List([_NnxBlock(d, rngs) for _ in range(depth)])
+        self.head = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, img):  # (b, 32, 32, 3) -> 64 patches of 4 x 4
+        b = img.shape[0]
+        x = img.reshape(b, 8, 4, 8, 4, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b, 64, 48)
+        x = self.patch(x) + self.pos[...]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+def vit_setup(batch=32):
+    graphdef, state = nnx.split(NnxViT(nnx.Rngs(0)), nnx.Param)
+
+    def loss(s, b):
+        logits = nnx.merge(graphdef, s)(b["img"])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["label"][:, None], axis=-1))
+    images = jax.random.normal(jax.random.key(2), (batch, 32, 32, 3))
+    return state, loss, {"img": images, "label": jnp.arange(batch, dtype=jnp.int32) % 10}
