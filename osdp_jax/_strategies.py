@@ -5,9 +5,9 @@
   gathered before use and its gradient reduce-scattered. The dimension is the first (major-most)
   one the data-parallel size divides, never the layer axis of a parameter the model gathers
   inside its layer loop: collectives along the major dimension need no transposes, which XLA
-  otherwise materialises at full size (measured, a 1024x4096 kernel on 8 devices: temp 18 MiB
-  sharded along dimension 0, 32 MiB along dimension 1). A parameter with no such dimension
-  cannot be zero3.
+  otherwise materialises at full size around every gather and reduce-scatter
+  (``Plan.summary()`` names parameters sharded along a later dimension). A parameter with no such
+  dimension cannot be zero3.
 """
 from __future__ import annotations
 

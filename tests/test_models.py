@@ -49,8 +49,7 @@ def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, pres
     seq = 16
     params = models.init_params(module, seq, seed=0)
     loss_fn = models.make_loss(module)
-    tokens = jax.random.randint(jax.random.key(3), (16, seq), 0, cfg.vocab_size)
-    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones((16, seq))}
+    batch = toy.lm_batch(cfg.vocab_size, 16, seq)
     infos = osdp_jax.describe(params)
     in_loop, splittable = discover(loss_fn, params, batch)
     assert any(p.startswith(("blocks/layers", "layers/layers", "encoder/layers")) for p in in_loop)
@@ -94,8 +93,7 @@ def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
     module, cfg, _ = models.get("gpt2-mini")
     params = models.init_params(module, 16, seed=0)
     loss_fn = models.make_loss(module)
-    tokens = jax.random.randint(jax.random.key(3), (16, 16), 0, cfg.vocab_size)
-    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones((16, 16))}
+    batch = toy.lm_batch(cfg.vocab_size, 16, 16)
     specs = {i.path: spec_for(i, "zero3", ("data",), 8) or jax.sharding.PartitionSpec()
              for i in osdp_jax.describe(params)}
     assert specs["blocks/layers/fc1/kernel"] != jax.sharding.PartitionSpec()  # sharded, gathered per step
@@ -121,9 +119,7 @@ def test_fsdp_temp_is_activations_plus_two_layers(preset):
     params = models.abstract_params(module, seq)
 
     def batch(b):
-        return {"inputs": jax.ShapeDtypeStruct((b, seq), jnp.int32),
-                "targets": jax.ShapeDtypeStruct((b, seq), jnp.int32),
-                "weights": jax.ShapeDtypeStruct((b, seq), jnp.float32)}
+        return toy.lm_batch(cfg.vocab_size, b, seq, abstract=True)
     loss_fn, opt = models.make_loss(module), optax.adam(1e-4)
     in_loop, dense = discover(loss_fn, params, batch(8))
     infos = osdp_jax.describe(params)

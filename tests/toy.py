@@ -84,6 +84,16 @@ def tokens(batch=32, key=1):
     return jax.random.randint(jax.random.key(key), (batch, SEQ), 0, VOCAB)
 
 
+def lm_batch(vocab_size, batch=16, seq=16, key=3, abstract=False):
+    """A language-model batch as the repository's models take it (inputs, targets, weights)."""
+    if abstract:
+        return {"inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+                "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+                "weights": jax.ShapeDtypeStruct((batch, seq), jnp.float32)}
+    tokens = jax.random.randint(jax.random.key(key), (batch, seq), 0, vocab_size)
+    return {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones((batch, seq))}
+
+
 def single_device_run(params, loss_fn, optimizer, batch, steps):
     """Losses and final params of plain single-device training, the reference for sharded runs."""
     import optax
