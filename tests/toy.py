@@ -149,3 +149,30 @@ def vit_setup(batch=32):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["label"][:, None], axis=-1))
     images = jax.random.normal(jax.random.key(2), (batch, 32, 32, 3))
     return state, loss, {"img": images, "label": jnp.arange(batch, dtype=jnp.int32) % 10}
+
+
+def sharded_run(params, loss_fn, optimizer, plan, mesh, batch, steps, after_step=None):
+    """Losses and final (sharded) params and optimizer state of ``steps`` steps under ``plan``;
+    ``after_step(params, opt_state)`` is called after each."""
+    import osdp_jax
+    sharded = osdp_jax.shard(params, mesh, plan)
+    opt_state = osdp_jax.init_opt_state(optimizer, sharded, plan, mesh)
+    step = osdp_jax.make_train_step(loss_fn, optimizer, plan, mesh)
+    losses = []
+    for _ in range(steps):
+        sharded, opt_state, loss = step(sharded, opt_state, batch)
+        losses.append(float(loss))
+        if after_step:
+            after_step(sharded, opt_state)
+    return losses, sharded, opt_state
+
+
+def assert_matches_single_device(losses, sharded, params, loss_fn, optimizer, batch, rtol):
+    """Losses equal plain single-device training's (``rtol``); parameters too. Adam divides by
+    sqrt(v): for near-zero gradients, summation order alone moves an element by a small fraction
+    of one step (lr = 1e-2), hence the absolute tolerance on parameters."""
+    import numpy as np
+    expected, final = single_device_run(params, loss_fn, optimizer, batch, len(losses))
+    np.testing.assert_allclose(losses, expected, rtol=rtol)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(final)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
