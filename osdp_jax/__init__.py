@@ -19,8 +19,8 @@ from ._strategies import STRATEGIES
 from ._units import format_bytes, parse_bytes
 from ._xla import StepProfile, profile_compiled
 from .runtime.hooks import gather_params
-from .runtime.step import (abstract_state, batch_sharding, compile_step, init_opt_state, make_eval_step,
-                           make_train_step, profile_step)
+from .runtime.place import abstract_state, batch_sharding, init_opt_state
+from .runtime.step import compile_step, make_eval_step, make_train_step, profile_step
 from . import hardware, planning, search, split, strategies, xla
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ._planner import plan as make_plan
-from .runtime.step import place
+from .runtime.place import place
 
 
 def shard(params, mesh, plan=None, **plan_kwargs):

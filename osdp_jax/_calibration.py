@@ -26,7 +26,8 @@ import numpy as np
 from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
-from .runtime.step import abstract_args, compile_step
+from .runtime.place import abstract_args
+from .runtime.step import compile_step
 
 log = logging.getLogger("osdp_jax")
 

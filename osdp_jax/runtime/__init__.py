@@ -5,7 +5,8 @@
         -> kernels     (split matmul, embedding lookup, gathering after an input is ready)
         -> hooks       (gather_params, split.dense: what models call)
         -> interception (unmodified Flax Dense/Linear/Embed routed to the hooks, thread-scoped)
-        -> step        (the train and eval steps, placing params, compiling a step)
+        -> place       (parameters, optimizer state and batches laid out as planned)
+        -> step        (the train and eval steps, compiling a step)
 
 This package imports nothing from the planner.
 """

@@ -12,8 +12,8 @@ are stripped before ``loss_fn`` sees the parameters. The loss is the mean of the
 losses, so ``loss_fn`` must return the *mean* loss over the batch it is given; the gradient is then
 exactly that of the global mean loss.
 
-This module also places parameters and optimizer state (:func:`place`, :func:`init_opt_state`,
-:func:`abstract_state`) and compiles a step without allocating (:func:`compile_step`).
+This module also compiles a step without allocating (:func:`compile_step`); placing parameters,
+optimizer state and batches is ``runtime.place``.
 """
 from __future__ import annotations
 
@@ -21,13 +21,11 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._describe import describe, path_name, strip_boxes
+from .._describe import path_name, strip_boxes
 from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree
 from .._strategies import axes_size, axis_entry, sharded_dim
 from .._xla import StepProfile, profile_compiled
@@ -35,6 +33,7 @@ from .collectives import device_index, gather
 from .context import SplitEntry, StepContext, active
 from .hooks import wrap_tree
 from .interception import intercepting
+from .place import abstract_args
 
 
 def check_batch(batch, n: int):
@@ -369,91 +368,6 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
     return TrainStep(jax.jit(evaluate), "eval step")
 
 
-# --- placing parameters and optimizer state ----------------------------------------------------
-
-def place(params, mesh, layout):
-    """``params`` placed on ``mesh`` per ``layout`` (a ``Layout`` or ``Plan``): the same tree type
-    back (boxes, nnx.State kept). ``jax.ShapeDtypeStruct`` leaves come back as ``ShapeDtypeStruct``
-    carrying the sharding. Arrays are copied, never aliased, so donating the result to a train
-    step leaves the caller's arrays intact. On a mesh spanning several processes
-    (``jax.distributed``), every process passes the same values."""
-    layout = as_layout(layout)
-    check_matches(layout, params)
-    specs = spec_tree(params, layout.specs_by_path)
-
-    def one(x, spec):
-        sharding = NamedSharding(mesh, spec)
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        if not sharding.is_fully_addressable:
-            # a mesh over several processes: every process holds the same whole value and places
-            # the shards of its own devices
-            host = np.asarray(x)
-            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-        if isinstance(x, jax.Array):
-            # device_put may hand back the caller's buffer as one of the shards (even with
-            # may_alias=False in jax 0.10), and the train step donates it: copy first.
-            x = jnp.copy(x)
-        return jax.device_put(x, sharding)
-
-    return jax.tree.map(one, params, specs)
-
-
-def check_matches(layout, params) -> None:
-    """A ``ValueError`` unless ``params`` are what ``layout`` was made for (a ``Plan`` checks
-    shapes too; a ``Layout`` the parameter paths)."""
-    infos = describe(params)
-    if hasattr(layout, "check_matches"):
-        layout.check_matches(infos)
-        return
-    ours = {pl.path for pl in as_layout(layout).params}
-    theirs = {i.path for i in infos}
-    if ours != theirs:
-        diff = sorted(ours ^ theirs)[:3]
-        raise ValueError(f"the params do not match the plan (parameters differ, e.g. {diff}); plan again for "
-                         f"these params")
-
-
-def init_opt_state(optimizer, params, plan, mesh):
-    """``optimizer.init(params)`` with each state leaf sharded like its parameter.
-
-    The state is created directly in place (``jit`` with ``out_shardings``), never gathered.
-    """
-    abstract = jax.eval_shape(optimizer.init, params)
-    specs = opt_state_specs(optimizer, abstract, spec_tree(params, as_layout(plan).specs_by_path))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    return jax.jit(optimizer.init, out_shardings=shardings)(params)
-
-
-def abstract_state(params, plan, mesh, optimizer=None):
-    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` trees carrying the planned shardings.
-
-    These are the targets orbax restores onto (``ocp.args.StandardRestore(target)``), so a
-    checkpoint written under any mesh or plan comes back laid out as ``plan`` says on ``mesh``;
-    nothing is allocated. ``params`` may be arrays or ``ShapeDtypeStruct``s (any tree type);
-    ``opt_state`` is None without an ``optimizer``.
-    """
-    layout = as_layout(plan)
-    check_matches(layout, params)
-    p_specs = spec_tree(params, layout.specs_by_path)
-
-    def sds(x, spec):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
-
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    params_t = jax.tree.map(sds, abstract, p_specs)
-    if optimizer is None:
-        return params_t, None
-    opt_state = jax.eval_shape(optimizer.init, abstract)
-    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs))
-
-
-def batch_sharding(mesh, plan) -> NamedSharding:
-    """The sharding of every batch leaf under ``plan``: split along its leading (global batch)
-    dimension over the data-parallel axes."""
-    return NamedSharding(mesh, P(axis_entry(as_layout(plan).axes)))
-
-
 # --- compiling without allocating --------------------------------------------------------------
 
 def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
@@ -465,15 +379,6 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
     args = abstract_args(optimizer, params, batch, mesh, plan)
     step = jit_step(build_step(loss_fn, optimizer, mesh, plan, StepOptions(**options)))
     return step.lower(*args).compile()
-
-
-def abstract_args(optimizer, params, batch, mesh, plan) -> tuple:
-    """``(params, opt_state, batch)`` as ``ShapeDtypeStruct``s carrying ``plan``'s shardings: the
-    train step's inputs, for lowering it without allocating."""
-    p_t, o_t = abstract_state(params, plan, mesh, optimizer)
-    b_t = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
-                       batch, batch_specs(batch, as_layout(plan).axes))
-    return p_t, o_t, b_t
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, plan, **options) -> StepProfile:

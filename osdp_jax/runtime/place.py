@@ -1,0 +1,105 @@
+"""Placing parameters, optimizer state and batches on the mesh as a plan (or layout) says, and
+their abstract (``ShapeDtypeStruct``) counterparts for compiling without allocating."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._describe import describe
+from .._layout import as_layout, batch_specs, opt_state_specs, spec_tree
+from .._strategies import axis_entry
+
+
+def place(params, mesh, layout):
+    """``params`` placed on ``mesh`` per ``layout`` (a ``Layout`` or ``Plan``): the same tree type
+    back (boxes, nnx.State kept). ``jax.ShapeDtypeStruct`` leaves come back as ``ShapeDtypeStruct``
+    carrying the sharding. Arrays are copied, never aliased, so donating the result to a train
+    step leaves the caller's arrays intact. On a mesh spanning several processes
+    (``jax.distributed``), every process passes the same values."""
+    layout = as_layout(layout)
+    check_matches(layout, params)
+    specs = spec_tree(params, layout.specs_by_path)
+
+    def one(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        if not sharding.is_fully_addressable:
+            # a mesh over several processes: every process holds the same whole value and places
+            # the shards of its own devices
+            host = np.asarray(x)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        if isinstance(x, jax.Array):
+            # device_put may hand back the caller's buffer as one of the shards (even with
+            # may_alias=False in jax 0.10), and the train step donates it: copy first.
+            x = jnp.copy(x)
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(one, params, specs)
+
+
+def check_matches(layout, params) -> None:
+    """A ``ValueError`` unless ``params`` are what ``layout`` was made for (a ``Plan`` checks
+    shapes too; a ``Layout`` the parameter paths)."""
+    infos = describe(params)
+    if hasattr(layout, "check_matches"):
+        layout.check_matches(infos)
+        return
+    ours = {pl.path for pl in as_layout(layout).params}
+    theirs = {i.path for i in infos}
+    if ours != theirs:
+        diff = sorted(ours ^ theirs)[:3]
+        raise ValueError(f"the params do not match the plan (parameters differ, e.g. {diff}); plan again for "
+                         f"these params")
+
+
+def init_opt_state(optimizer, params, plan, mesh):
+    """``optimizer.init(params)`` with each state leaf sharded like its parameter.
+
+    The state is created directly in place (``jit`` with ``out_shardings``), never gathered.
+    """
+    abstract = jax.eval_shape(optimizer.init, params)
+    specs = opt_state_specs(optimizer, abstract, spec_tree(params, as_layout(plan).specs_by_path))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def abstract_state(params, plan, mesh, optimizer=None):
+    """``(params, opt_state)`` as ``jax.ShapeDtypeStruct`` trees carrying the planned shardings.
+
+    These are the targets orbax restores onto (``ocp.args.StandardRestore(target)``), so a
+    checkpoint written under any mesh or plan comes back laid out as ``plan`` says on ``mesh``;
+    nothing is allocated. ``params`` may be arrays or ``ShapeDtypeStruct``s (any tree type);
+    ``opt_state`` is None without an ``optimizer``.
+    """
+    layout = as_layout(plan)
+    check_matches(layout, params)
+    p_specs = spec_tree(params, layout.specs_by_path)
+
+    def sds(x, spec):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    params_t = jax.tree.map(sds, abstract, p_specs)
+    if optimizer is None:
+        return params_t, None
+    opt_state = jax.eval_shape(optimizer.init, abstract)
+    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs))
+
+
+def batch_sharding(mesh, plan) -> NamedSharding:
+    """The sharding of every batch leaf under ``plan``: split along its leading (global batch)
+    dimension over the data-parallel axes."""
+    return NamedSharding(mesh, P(axis_entry(as_layout(plan).axes)))
+
+
+def abstract_args(optimizer, params, batch, mesh, plan) -> tuple:
+    """``(params, opt_state, batch)`` as ``ShapeDtypeStruct``s carrying ``plan``'s shardings: the
+    train step's inputs, for lowering it without allocating."""
+    p_t, o_t = abstract_state(params, plan, mesh, optimizer)
+    b_t = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=NamedSharding(mesh, s)),
+                       batch, batch_specs(batch, as_layout(plan).axes))
+    return p_t, o_t, b_t
