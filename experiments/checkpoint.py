@@ -15,7 +15,10 @@ Export writes the parameters as a plain ``.npz`` (one array per ``/``-joined pat
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import pathlib
+import sys
 
 import jax
 import numpy as np
@@ -34,6 +37,35 @@ class DamagedCheckpoint(CheckpointError):
     def __init__(self, path: pathlib.Path, step: int, reason: str):
         super().__init__(f"checkpoint {path} is damaged: {reason}")
         self.path, self.step, self.reason = path, step, reason
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Reading a damaged checkpoint makes orbax log warnings and its futures' callbacks log
+    tracebacks ("Event loop is closed") after the real error; the error is reported as one line,
+    so these are silenced while orbax reads."""
+    loggers = [logging.getLogger(name) for name in ("absl", "concurrent.futures", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _ignore_closed_loop_callbacks(unraisable, _default=sys.unraisablehook):
+    """After orbax fails to read a damaged checkpoint, tensorstore's threads still call back into
+    the event loop orbax has closed; each callback's ``RuntimeError('Event loop is closed')`` would
+    print a traceback after the one-line error. Those are dropped; anything else is reported."""
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return
+    _default(unraisable)
+
+
+sys.unraisablehook = _ignore_closed_loop_callbacks
 
 
 def _first_line(e: BaseException) -> str:
@@ -56,16 +88,19 @@ class Checkpoints:
         # writing manager cleans them)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=not read_only,
                                                enable_async_checkpointing=False, create=not read_only)
-        self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        with _quiet():  # orbax warns about each step folder it cannot fully read; validate() says it once
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, oldest first."""
-        return sorted(self.manager.all_steps())
+        with _quiet():
+            return sorted(self.manager.all_steps())
 
     def latest(self) -> int | None:
-        return self.manager.latest_step()
+        with _quiet():
+            return self.manager.latest_step()
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(
@@ -76,7 +111,8 @@ class Checkpoints:
     def meta(self, step: int) -> dict:
         """Checkpoint ``step``'s JSON meta; a :class:`DamagedCheckpoint` if it cannot be read."""
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            with _quiet():
+                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # orbax/tensorstore raise many types, with long texts
             raise DamagedCheckpoint(self.directory / str(step), step,
                                     f"its meta cannot be read ({_first_line(e)})") from None
@@ -92,7 +128,8 @@ class Checkpoints:
         meta = self.check_model(step, expected_fingerprint)
         where = self.directory / str(step)
         try:
-            state = self.manager.item_metadata(step)["state"]
+            with _quiet():
+                state = self.manager.item_metadata(step)["state"]
         except Exception as e:
             raise DamagedCheckpoint(where, step, f"its state cannot be read ({_first_line(e)})") from None
         if state is None or not jax.tree.leaves(state):
@@ -105,8 +142,9 @@ class Checkpoints:
         whose arrays cannot be read raises :class:`DamagedCheckpoint`."""
         meta = self.validate(step, expected_fingerprint)
         try:
-            state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
-                {"params": params_target, "opt_state": opt_state_target})))["state"]
+            with _quiet():
+                state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
+                    {"params": params_target, "opt_state": opt_state_target})))["state"]
         except Exception as e:
             raise DamagedCheckpoint(self.directory / str(step), step,
                                     f"its arrays cannot be restored ({_first_line(e)})") from None

@@ -109,18 +109,24 @@ def _export(args) -> int:
     except ConfigError as e:
         print(f"osdp-jax: {e}", file=sys.stderr)
         return 2
-    from .checkpoint import CheckpointError
+    from .checkpoint import CheckpointError, DamagedCheckpoint
     ckpt = Checkpoints(run / "checkpoints", read_only=True)
+    steps, step = [], args.step
     try:
         steps = ckpt.steps()
         step = args.step if args.step is not None else (steps[-1] if steps else None)
+        stray = sorted(int(p.name) for p in (run / "checkpoints").iterdir()
+                       if p.name.isdigit() and int(p.name) not in steps)
+        if args.step is None and stray and (step is None or stray[-1] > step):
+            raise DamagedCheckpoint(run.absolute() / "checkpoints" / str(stray[-1]), stray[-1],
+                                    "it is not a complete checkpoint (orbax does not list it)")
         if step is None or step not in steps:
             print(f"osdp-jax: error: no complete checkpoint {'' if step is None else step} in "
                   f"{run / 'checkpoints'} (has {steps})", file=sys.stderr)
             return 2
         params = ckpt.restore_params(step, s.abstract_params(), s.optimizer)
     except CheckpointError as e:
-        older = [x for x in steps if x < step]
+        older = [x for x in steps if x < (e.step if isinstance(e, DamagedCheckpoint) else step)]
         hint = f"; export an earlier one with --step {older[-1]}" if older else ""
         print(f"osdp-jax: error: {e}{hint}", file=sys.stderr)
         return 2

@@ -200,11 +200,17 @@ def check_run_dir(s: Setup, out: pathlib.Path, resume: bool, resume_from: int | 
             raise CheckpointError(f"--resume-from {resume_from}: {directory} has no complete checkpoint of "
                                   f"that step (it has steps {steps})")
         step = steps[-1] if resume_from is None else resume_from
+        # a step-named entry orbax does not list (a file, a folder it cannot read) newer than the
+        # step to resume: a damaged checkpoint, not something to skip silently
+        stray = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and int(p.name) not in steps)
         try:
+            if resume_from is None and stray and stray[-1] > step:
+                raise DamagedCheckpoint(directory / str(stray[-1]), stray[-1],
+                                        "it is not a complete checkpoint (orbax does not list it)")
             meta = ckpt.validate(step, fp)
         except DamagedCheckpoint as e:
             raise _damaged(e, out, fp) from None
-        return ResumePoint(step, meta, tuple(x for x in steps if x > step))
+        return ResumePoint(step, meta, tuple(sorted(x for x in {*steps, *stray} if x > step)))
     finally:
         if ckpt:
             ckpt.close()

@@ -301,6 +301,10 @@ DAMAGE = {
     "state metadata deleted": lambda d: (d / "state" / "_METADATA").unlink(),
     "array data truncated": _truncate_arrays,
     "manifest deleted": lambda d: [p.unlink() for p in (d / "state").rglob("manifest.ocdbt")],
+    "manifest garbage": lambda d: [p.write_bytes(os.urandom(64)) for p in (d / "state").rglob("manifest.ocdbt")],
+    "array data deleted": lambda d: [shutil.rmtree(p) for p in (d / "state").rglob("d") if p.is_dir()],
+    "step folder emptied": lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in list(d.iterdir())],
+    "step folder replaced by a file": lambda d: (shutil.rmtree(d), d.write_text("x")),
 }
 
 
