@@ -293,6 +293,11 @@ def _main(argv=None):
               file=sys.stderr)
         return 2
     _simulate_devices(args.devices or math.prod(cfg.mesh.shape) // (processes or 1))
+    if cfg.plan.compilation_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        import osdp_jax
+        # one folder per process: concurrent writers are not supported
+        sub = f"process-{args.process_id}" if processes else ""
+        osdp_jax.enable_compilation_cache(os.path.join(os.path.expanduser(cfg.plan.compilation_cache), sub))
     if processes:
         from .distributed import DistributedError, initialize
         try:

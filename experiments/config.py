@@ -44,6 +44,7 @@ class PlanConfig:
     splits: tuple[int, ...] = (1, 2, 4, 8)  # operator-splitting slice counts to consider; [1] = off
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
+    compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
 
 
 @dataclasses.dataclass(frozen=True)

@@ -225,8 +225,11 @@ def reusable_plan(s: Setup, point: ResumePoint | None) -> osdp_jax.Plan | None:
     step, so the run is bit-identical to an uninterrupted one, and nothing is planned again."""
     if point is None or "plan" not in point.meta or "config" not in point.meta:
         return None
-    now, then = to_dict(s.cfg), point.meta["config"]
-    if any(now.get(k) != then.get(k) for k in _PLAN_SECTIONS):
+
+    def plan_inputs(cfg: dict) -> dict:  # where compiles are cached does not change the plan
+        return {k: {f: v for f, v in cfg.get(k, {}).items() if f != "compilation_cache"} for k in _PLAN_SECTIONS}
+
+    if plan_inputs(to_dict(s.cfg)) != plan_inputs(point.meta["config"]):
         return None
     try:
         return osdp_jax.Plan.from_json(json.dumps(point.meta["plan"]))
@@ -491,7 +494,8 @@ def _same_on_every_process(plan: osdp_jax.Plan) -> None:
     import hashlib
 
     from jax.experimental import multihost_utils
-    decisions = {k: v for k, v in json.loads(plan.to_json()).items() if k != "search_seconds"}
+    timings = ("search_seconds", "planning_seconds", "compile_seconds")  # differ between processes
+    decisions = {k: v for k, v in json.loads(plan.to_json()).items() if k not in timings}
     digest = np.frombuffer(hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).digest(),
                            dtype=np.uint32)
     multihost_utils.assert_equal(digest, "the processes made different plans")

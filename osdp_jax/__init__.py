@@ -8,6 +8,7 @@ throughput whose whole step fits a per-device memory budget.
 >>> params = osdp_jax.shard(params, mesh, plan)                                      # doctest: +SKIP
 """
 from ._apply import shard
+from ._cache import enable_compilation_cache
 from ._describe import ParamInfo, describe, flat_params, path_name
 from ._discover import discover
 from ._hardware import PRESETS, Hardware
@@ -28,6 +29,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Collective", "Hardware", "InfeasibleBudgetError", "Layout", "PRESETS", "ParamInfo", "ParamLayout",
     "ParamPlan", "Plan", "STRATEGIES", "StepProfile", "abstract_state", "batch_sharding", "compile_step",
-    "describe", "discover", "flat_params", "format_bytes", "hardware", "gather_params", "init_opt_state", "make_eval_step", "make_train_step", "parse_bytes", "path_name",
+    "describe", "discover", "enable_compilation_cache", "flat_params", "format_bytes", "hardware", "gather_params", "init_opt_state", "make_eval_step", "make_train_step", "parse_bytes", "path_name",
     "plan", "planning", "profile_compiled", "profile_step", "search", "shard", "split", "strategies", "xla",
 ]

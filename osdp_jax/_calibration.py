@@ -18,6 +18,7 @@ import enum
 import json
 import logging
 import pathlib
+import time
 from typing import NamedTuple, Protocol
 
 import jax
@@ -72,9 +73,12 @@ class XlaCalibrator:
     mesh: object
     device_bytes: float
     record: str | pathlib.Path | None = None
+    compiles: int = 0  # probes compiled so far
+    seconds: float = 0.0  # spent compiling and timing them
     _recorded: dict = dataclasses.field(default_factory=dict)
 
     def profile(self, problem, kind, batch, splits, timed):
+        t0 = time.perf_counter()
         layout = problem.layout(lambda i: kind.zero3(i, problem), splits)
         compiled = compile_step(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
         prof = profile_compiled(compiled)
@@ -84,6 +88,8 @@ class XlaCalibrator:
         if self.record is not None:
             self._recorded[f"{kind.value}/{_batch_size(batch)}"] = {**dataclasses.asdict(prof), "seconds": seconds}
             pathlib.Path(self.record).write_text(json.dumps(self._recorded, indent=1, sort_keys=True))
+        self.compiles += 1
+        self.seconds += time.perf_counter() - t0
         return prof, seconds
 
 

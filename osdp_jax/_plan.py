@@ -63,7 +63,10 @@ class Plan:
     predicted_samples_per_second: float | None
     xla_peak_bytes: int | None = None
     hardware: str = ""
-    search_seconds: float = 0.0
+    search_seconds: float = 0.0  # cost tables and exact search
+    planning_seconds: float = 0.0  # all of plan(), wall clock
+    compile_seconds: float = 0.0  # of which compiling (and timing) probe and verification steps
+    compiles: int = 0  # XLA compiles that planning ran
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 
     # --- pytree views --------------------------------------------------------------------------
@@ -162,6 +165,8 @@ class Plan:
             f"budget {format_bytes(self.budget_bytes)}",
             f"predicted: {self.predicted_step_seconds * 1e3:.2f} ms/step, {sps:.1f} samples/s"
             if sps is not None else "predicted throughput: - (no loss_fn/batch given)",
+            f"planning: {self.planning_seconds:.1f} s, of which {self.compiles} compiles {self.compile_seconds:.1f} s "
+            f"and search {self.search_seconds:.3f} s",
         ]
         return "\n".join(lines)
 

@@ -63,6 +63,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     Raises:
       InfeasibleBudgetError: no plan fits; ``.min_bytes`` is the smallest budget that would.
     """
+    start = time.perf_counter()
     o = dataclasses.replace(options or PlanOptions(), **kwargs)
     strategies, splits, axes = check_strategies(o.strategies), check_splits(o.splits), data_axes(mesh, o.axis)
     hw = resolve_hardware(o.hardware, mesh)
@@ -88,14 +89,18 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         least = min([min_needed, *(peak for _, peak in known)])  # never above a layout shown to fit
         raise InfeasibleBudgetError(_infeasible_message(budget, least, strategies, axes), math.ceil(least))
 
+    verified = _Compiles()
+
     def build(candidate, xla_peak=None):
-        return _build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak)
+        compiled = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds", 0.0) + verified.seconds
+        return _build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
+                      (time.perf_counter() - start, *compiled))
 
     if not verifying:
         return build(best)
     return verify(best, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables), build,
-                  lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p).peak_bytes,
-                  known)
+                  verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
+                           .peak_bytes), known)
 
 
 def _optimizer(optimizer):
@@ -181,7 +186,25 @@ def _least_memory(tables_for: dict):
     return _candidate(size, least_memory(t.time, t.mem, t.pools), t)
 
 
-def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None) -> Plan:
+class _Compiles:
+    """Counts and times the verification compiles of one plan() call."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def __call__(self, fn):
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.count += 1
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None,
+           timing=(0.0, 0, 0.0)) -> Plan:
     _, size, sol, tables, step_s, sps = candidate
     pps = tuple(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=problem.columns[c][0],
                           spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
@@ -192,7 +215,8 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                 predicted_peak_bytes=tables.base_mem + sol.mem,
                 predicted_step_seconds=step_s if size is not None else None,
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
-                search_seconds=search_seconds, treedef=treedef)
+                search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
+                compile_seconds=timing[2], treedef=treedef)
 
 
 def _infeasible_message(budget, min_needed, strategies, axes) -> str:

@@ -74,3 +74,23 @@ def test_compare_mini(tmp_path):
     rows = json.loads((out / "comparison.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["DDP", "FSDP", "OSDP"]
     assert (out / "comparison.png").stat().st_size > 0
+
+
+def test_compilation_cache_config_key(tmp_path):
+    """plan.compilation_cache: the CLI's compiles (probes and the verified step) land in that
+    folder; a second plan reads them back and adds none."""
+    import os
+    import subprocess
+    import sys
+    cache = tmp_path / "xla"
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    cmd = [sys.executable, "-m", "experiments.cli", "plan", "experiments/gpt2_mini.toml", "--plan.batch_sizes=32",
+           "--plan.splits=1", f"--plan.compilation_cache={cache}", "--out", str(tmp_path / "p")]
+    for run in range(2):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        entries = sorted(p.name for p in cache.iterdir())
+        if run == 0:
+            first = entries
+            assert len(first) >= 3, first  # two probes and the verification compile, at least
+    assert entries == first  # the second plan compiled nothing new

@@ -41,6 +41,7 @@ def test_plan_options_dataclass_equals_keywords(mesh, recorded):
     by_kw = osdp_jax.plan(params, mesh, budget="64GB", **recorded)
     by_options = osdp_jax.plan(params, mesh, PlanOptions(budget="64GB", **recorded))
     assert by_kw.params == by_options.params and by_kw.batch_size == by_options.batch_size
+    assert by_kw.compiles == 0 and by_kw.compile_seconds == 0.0  # recorded probes: nothing compiled
 
 
 def test_recorded_decisions(mesh, recorded):

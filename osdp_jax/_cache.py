@@ -1,0 +1,24 @@
+"""JAX's persistent compilation cache, for planning again (another budget, ``compare``, a resumed
+run) without compiling the same probe steps again."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+
+
+def enable_compilation_cache(path, min_compile_seconds: float = 0.0) -> pathlib.Path:
+    """Cache every XLA compile of this process longer than ``min_compile_seconds`` under ``path``.
+
+    Call it before the first compile. A step or probe compiled before (same program, same devices,
+    same jax version) is then read from disk instead of compiled: the planner's probe steps when
+    planning again, and the train step the planner compiled to verify its plan. One cache folder
+    per process: concurrent writers are not supported.
+    """
+    path = pathlib.Path(os.path.expanduser(str(path))).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
