@@ -2,7 +2,7 @@
 
     osdp-jax train CONFIG [--steps N] [--budget B] [--devices N] [--out DIR] [--section.key=value ...]
     osdp-jax plan CONFIG [--out DIR] [...]
-    osdp-jax compare CONFIG [--out DIR] [...]
+    osdp-jax compare CONFIG [--out DIR] [--budgets B1,B2,...] [...]
     osdp-jax profile [--out profile.json] [--devices N] [--mesh-shape 8] [--axes data]
     osdp-jax export RUN [--out params.npz] [--step N]
     osdp-jax launch --processes N CONFIG [train flags ...]
@@ -49,6 +49,9 @@ def _parser():
         if name == "compare":
             c.add_argument("--measure-steps", type=int, default=8,
                            help="real steps per method to measure samples/s (trainable models only)")
+            c.add_argument("--budgets", default=None, metavar="B1,B2,...",
+                           help="sweep these per-device budgets (plan only, nothing trained): writes "
+                                "sweep.json, sweep.md and sweep.png")
     lau = sub.add_parser("launch", help="train with N local processes on loopback (jax.distributed)",
                          epilog="Any train flag may follow, e.g. --steps 20 --out runs/x --plan.batch_sizes=32")
     lau.add_argument("config", help="experiment TOML file")
@@ -320,6 +323,15 @@ def _main(argv=None):
             print(f"\nwrote {out / 'plan.json'}")
         elif args.command == "train":
             return _train(args, s, out)
+        elif args.budgets is not None:
+            from .sweep import parse_budgets, sweep
+            try:
+                budgets = parse_budgets(args.budgets)
+            except ValueError as e:
+                raise ConfigError(f"config error: --budgets: {e}") from None
+            sweep(s, out, budgets)
+            print((out / "sweep.md").read_text())
+            print(f"wrote {out}/sweep.json, sweep.md, sweep.png")
         else:
             runner.compare(s, out, measure_steps=args.measure_steps)
             print((out / "comparison.md").read_text())

@@ -407,15 +407,20 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     return summary
 
 
+def methods(s: Setup) -> list[tuple]:
+    """``(name, strategies, splits)`` of the methods compared: the baselines do not split operators;
+    OSDP takes the config's strategies and split counts (None)."""
+    found = [("DDP", ("replicate",), (1,)), ("FSDP", ("zero3",), (1,))]
+    if len(s.cfg.mesh.axes) > 1:  # group sharding: shard inside a node, replicate across nodes
+        found.append(("HSDP", ("hsdp",), (1,)))
+    return [*found, ("OSDP", None, None)]
+
+
 def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) -> list[dict]:
     """DDP, FSDP and OSDP under one budget, each at its own best batch size."""
     rows = []
     trainable = s.n_params <= TRAINABLE_PARAMS
-    # the baselines do not split operators; OSDP takes the config's strategies and split counts
-    methods = [("DDP", ("replicate",), (1,)), ("FSDP", ("zero3",), (1,))]
-    if len(s.cfg.mesh.axes) > 1:  # group sharding: shard inside a node, replicate across nodes
-        methods.append(("HSDP", ("hsdp",), (1,)))
-    for name, strategies, splits in (*methods, ("OSDP", None, None)):
+    for name, strategies, splits in methods(s):
         row = {"method": name, "strategies": list(strategies or s.cfg.plan.strategies)}
         try:
             plan = make_plan(s, strategies=strategies, splits=splits)

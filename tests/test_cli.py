@@ -94,3 +94,47 @@ def test_compilation_cache_config_key(tmp_path):
             first = entries
             assert len(first) >= 3, first  # two probes and the verification compile, at least
     assert entries == first  # the second plan compiled nothing new
+
+
+def test_budget_sweep_table_and_plot(tmp_path):
+    """The sweep's table and figure from rows (no planning): one column per method, '-' where a
+    method does not fit, the budgets no method meets shaded."""
+    from experiments.sweep import parse_budgets, plot_sweep, sweep_markdown
+    rows = [{"budget_bytes": b * 2**30, "method": m, "fits": fits, "predicted_samples_per_second": sps,
+             "planning_seconds": 1.0}
+            for b, m, fits, sps in [(4, "DDP", False, None), (4, "FSDP", False, None), (4, "OSDP", False, None),
+                                    (6, "DDP", False, None), (6, "FSDP", True, 50.0), (6, "OSDP", True, 55.0),
+                                    (8, "DDP", True, 40.0), (8, "FSDP", True, 57.0), (8, "OSDP", True, 61.0)]]
+    text = sweep_markdown("m", rows)
+    assert "| budget | DDP | FSDP | OSDP | planning s (all methods) |" in text
+    assert "| 4.00 GiB | - | - | - | 3.0 |" in text and "| 6.00 GiB | - | 50.0 | 55.0 | 3.0 |" in text
+    plot_sweep("m", rows, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    assert parse_budgets("8GB, 4GB,6GB") == ["4GB", "6GB", "8GB"]
+    with pytest.raises(ValueError, match="invalid byte size"):
+        parse_budgets("4GB,lots")
+
+
+def test_budget_sweep_bad_budget_is_one_line(tmp_path, capsys):
+    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--budgets", "2MiB,lots", "--out",
+                     str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("osdp-jax: error: config error: --budgets:") and len(err.splitlines()) == 1
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.slow  # plans three methods at three budgets (~1 min cold)
+def test_budget_sweep_mini(tmp_path):
+    out = tmp_path / "sweep"
+    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--budgets", "1.2MiB,2MiB,3MiB",
+                     "--plan.batch_sizes=32", "--out", str(out)]) == 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert len(rows) == 9 and (out / "sweep.png").stat().st_size > 0
+    for r in rows:
+        if r["fits"]:
+            assert r["xla_peak_bytes"] <= r["budget_bytes"]
+    osdp = {r["budget_bytes"]: r for r in rows if r["method"] == "OSDP"}
+    for r in rows:  # OSDP's space contains DDP's and FSDP's: never predicted slower where they fit
+        if r["fits"] and r["method"] != "OSDP":
+            assert osdp[r["budget_bytes"]]["fits"]
+            assert osdp[r["budget_bytes"]]["predicted_samples_per_second"] >= 0.999 * r["predicted_samples_per_second"]

@@ -1,0 +1,99 @@
+"""A budget sweep, as in the paper's figure: DDP, FSDP and OSDP planned at each of several
+per-device budgets, predicted samples/s against the budget, with the budgets no plan fits marked.
+
+Nothing is trained. With the CLI's persistent compilation cache, the probe steps compiled for the
+first budget are read from disk for the others, so a sweep costs little more than one plan of
+each method.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import osdp_jax
+
+from . import runner
+
+
+def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
+    """One row per (budget, method); writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` to ``out``."""
+    rows = []
+    for budget in budgets:
+        at = dataclasses.replace(s, cfg=dataclasses.replace(
+            s.cfg, plan=dataclasses.replace(s.cfg.plan, budget=budget)))
+        for name, strategies, splits in runner.methods(s):
+            row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
+            try:
+                plan = runner.make_plan(at, strategies=strategies, splits=splits)
+            except osdp_jax.InfeasibleBudgetError as e:
+                rows.append({**row, "fits": False, "min_bytes": e.min_bytes})
+                continue
+            rows.append({**row, "fits": True, "batch_size": plan.batch_size, "counts": plan.counts(),
+                         "xla_peak_bytes": plan.xla_peak_bytes,
+                         "predicted_samples_per_second": plan.predicted_samples_per_second,
+                         "planning_seconds": plan.planning_seconds, "compiles": plan.compiles})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"model": s.cfg.model.preset, "rows": rows}, indent=1))
+    (out / "sweep.md").write_text(sweep_markdown(s.cfg.model.preset, rows))
+    plot_sweep(s.cfg.model.preset, rows, out / "sweep.png")
+    return rows
+
+
+def sweep_markdown(model: str, rows: list[dict]) -> str:
+    f = osdp_jax.format_bytes
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    budgets = list(dict.fromkeys(r["budget_bytes"] for r in rows))
+    cell = {(r["budget_bytes"], r["method"]): r for r in rows}
+    lines = [f"# {model}: predicted samples/s against the per-device budget", "",
+             "Predicted by the cost model at each method's best batch size; every plan that fits was compiled "
+             "and its XLA peak is within the budget. \"-\" marks a budget the method cannot meet. Planning "
+             "seconds and compiles are per plan, on a warm or cold compilation cache as it came.", "",
+             "| budget | " + " | ".join(names) + " | planning s (all methods) |",
+             "|---" * (len(names) + 2) + "|"]
+    for b in budgets:
+        here = [cell[b, n] for n in names if (b, n) in cell]
+        seconds = sum(r.get("planning_seconds", 0.0) for r in here)
+        lines.append(f"| {f(b)} | " + " | ".join(
+            f"{cell[b, n]['predicted_samples_per_second']:.1f}" if cell.get((b, n), {}).get("fits") else "-"
+            for n in names) + f" | {seconds:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(model: str, rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    scale = 2**30 if max(r["budget_bytes"] for r in rows) >= 2**30 else 2**20
+    unit = "GiB" if scale == 2**30 else "MiB"
+    for name in dict.fromkeys(r["method"] for r in rows):
+        pts = sorted((r["budget_bytes"] / scale, r["predicted_samples_per_second"])
+                     for r in rows if r["method"] == name and r["fits"])
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    fitting = [r["budget_bytes"] for r in rows if r["fits"]]
+    lowest = min(r["budget_bytes"] for r in rows)
+    if not fitting or min(fitting) > lowest:  # budgets no method meets
+        edge = (min(fitting) if fitting else max(r["budget_bytes"] for r in rows)) / scale
+        ax.axvspan(lowest / scale, edge, color="gray", alpha=0.2, label="no plan fits")
+    ax.set_xlabel(f"per-device budget ({unit})")
+    ax.set_ylabel("predicted samples / s")
+    ax.set_title(f"{model}: budget sweep")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_budgets(text: str) -> list[str]:
+    """``"4GB,6GB,8GB"`` -> the budgets, each checked, in ascending order of bytes."""
+    budgets = [b.strip() for b in text.split(",") if b.strip()]
+    if not budgets:
+        raise ValueError("--budgets needs at least one budget, e.g. --budgets 4GB,6GB,8GB")
+    for b in budgets:
+        osdp_jax.parse_bytes(b)  # raises a ValueError naming the bad one
+    return sorted(budgets, key=osdp_jax.parse_bytes)
+
+
+__all__ = ["parse_budgets", "plot_sweep", "sweep", "sweep_markdown"]
