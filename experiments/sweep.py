@@ -67,11 +67,16 @@ def plot_sweep(model: str, rows: list[dict], path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     scale = 2**30 if max(r["budget_bytes"] for r in rows) >= 2**30 else 2**20
     unit = "GiB" if scale == 2**30 else "MiB"
+    markers = iter("osD^v<>")
     for name in dict.fromkeys(r["method"] for r in rows):
+        marker = next(markers, "o")
         pts = sorted((r["budget_bytes"] / scale, r["predicted_samples_per_second"])
                      for r in rows if r["method"] == name and r["fits"])
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
+        line = ax.plot(*zip(*pts), marker=marker, markerfacecolor="none", label=name)[0] if pts else None
+        misses = [r["budget_bytes"] / scale for r in rows if r["method"] == name and not r["fits"]]
+        if misses:  # the budgets this method cannot meet, on the axis
+            ax.plot(misses, [0] * len(misses), linestyle="none", marker="x", clip_on=False,
+                    color=line.get_color() if line else None, label=f"{name}: does not fit")
     fitting = [r["budget_bytes"] for r in rows if r["fits"]]
     lowest = min(r["budget_bytes"] for r in rows)
     if not fitting or min(fitting) > lowest:  # budgets no method meets
