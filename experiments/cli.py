@@ -157,7 +157,7 @@ def _train(args, s, out) -> int:
                 plan = runner.make_plan(s)
             print(plan.summary(), flush=True)
             summary = runner.train(s, out, plan=plan, resume=args.resume, resume_from=args.resume_from,
-                                   init_params=pathlib.Path(args.init_params) if args.init_params else None,
+                                   point=point, init_params=pathlib.Path(args.init_params) if args.init_params else None,
                                    preemption=preemption)
     except Preempted as e:
         import signal

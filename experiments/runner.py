@@ -258,7 +258,8 @@ def _params_finite(params) -> bool:
 
 def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progress=True,
           write=True, resume: bool = False, init_params: pathlib.Path | None = None,
-          on_step=None, resume_from: int | None = None, preemption=None) -> dict:
+          on_step=None, resume_from: int | None = None, preemption=None,
+          point: ResumePoint | None = None) -> dict:
     """Plan (unless given), train ``train.steps`` steps, and write plan/metrics/summary to ``out``.
 
     With ``write``, checkpoints go to ``out/checkpoints`` every ``train.checkpoint_every`` steps
@@ -269,14 +270,16 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     from an exported ``.npz`` instead of a random init. ``on_step(step)`` is called after each
     completed step (tests use it to kill a run). ``preemption``: a
     :class:`~experiments.preemption.Preemption`; when it has caught a signal, the run writes a
-    checkpoint after the current step and raises ``Preempted``.
+    checkpoint after the current step and raises ``Preempted``. ``point``: the resume point
+    :func:`check_run_dir` already found for ``out`` (it is not checked again).
     """
     from tqdm.auto import tqdm
 
     from .checkpoint import Checkpoints, DamagedCheckpoint, fingerprint, import_params
     from .preemption import Preempted
     cfg = s.cfg
-    point = check_run_dir(s, out, resume, resume_from) if write else None
+    if point is None and write:
+        point = check_run_dir(s, out, resume, resume_from)
     plan = plan or reusable_plan(s, point) or make_plan(s)
     _same_on_every_process(plan)
     b = plan.batch_size

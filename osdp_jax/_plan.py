@@ -100,11 +100,11 @@ class Plan:
     @property
     def splits_by_path(self) -> dict[str, int]:
         """Paths of the split kernels and their k (> 1)."""
-        return {pp.path: pp.split for pp in self.params if pp.split > 1}
+        return self.layout.splits_by_path
 
     @property
     def specs_by_path(self) -> dict[str, P]:
-        return {pp.path: pp.spec for pp in self.params}
+        return self.layout.specs_by_path
 
     @property
     def layout(self) -> Layout:
@@ -115,12 +115,12 @@ class Plan:
     @property
     def two_stage(self) -> frozenset[str]:
         """Paths of the parameters gathered in two stages (inner mesh axis, then outer)."""
-        return frozenset(pp.path for pp in self.params if pp.two_stage)
+        return self.layout.two_stage
 
     @property
     def in_loop(self) -> frozenset[str]:
         """Paths of the parameters the model gathers inside its layer loop."""
-        return frozenset(pp.path for pp in self.params if pp.in_loop)
+        return self.layout.in_loop
 
     def counts(self) -> dict[str, int]:
         """Number of parameters per strategy."""
