@@ -1,8 +1,10 @@
 """Transformer pieces shared by the GPT-2, OPT and BERT models.
 
-Layers are stacked and run with ``nn.scan`` under ``nn.remat``: one set of stacked parameters
-(leading axis = layer) and one compiled loop body. That keeps compile time flat in depth and lets
-XLA free each layer's activations (see ``experiments/benchmarks/gather_memory.py``).
+Layers are stacked and run with ``osdp_jax.layers.Stack`` (a ``jax.lax.scan`` under
+``jax.checkpoint``): one set of stacked parameters (leading axis = layer) and one compiled loop body
+per segment. That keeps compile time flat in depth, lets XLA free each layer's activations, and
+lets a plan gather each layer's weights inside the loop and cut the stack into segments with their
+own strategy and remat policy (see ``experiments/benchmarks/gather_memory.py``).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ class Block(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, _=None):
+    def __call__(self, x):
         cfg = self.config
         dt = cfg.param_dtype
         init = nn.initializers.normal(0.02)
@@ -90,31 +92,15 @@ class Block(nn.Module):
         else:
             x = ln1(x + attn(x))
             x = ln2(x + fc2(act(fc1(x))))
-        return x, None
-
-
-class Stack(nn.Module):
-    """``n_layer`` Blocks with stacked parameters, run by ``nn.scan`` with rematerialisation.
-
-    Each iteration passes its layer's parameter slices through ``osdp_jax.gather_params``: under
-    an osdp-jax plan, ZeRO-3 weights are gathered one layer at a time inside the loop (and again
-    in the backward pass), so only one layer's gathered weights are alive; elsewhere it is a no-op.
-    """
-
-    config: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x):
-        prefix = "/".join((*self.path, "layers"))
-
-        def gather(variables):
-            return {**variables, "params": osdp_jax.gather_params(variables["params"], prefix)}
-
-        body = nn.map_variables(Block, "params", trans_in_fn=gather, init=self.is_initializing())
-        scanned = nn.scan(nn.remat(body), variable_axes={"params": 0}, split_rngs={"params": True},
-                          length=self.config.n_layer)
-        x, _ = scanned(self.config, name="layers")(x, None)
         return x
+
+
+def Stack(config: TransformerConfig, name: str) -> nn.Module:  # noqa: N802 (a module factory)
+    """``n_layer`` Blocks with stacked parameters (``<name>/layers/...``, leading axis = layer), run
+    by ``osdp_jax.layers.Stack``: under an osdp-jax plan each layer's ZeRO-3 weights are gathered
+    inside the loop (and again in the backward pass), segment by segment as the plan cuts the
+    stack; elsewhere an ordinary scan with full rematerialisation."""
+    return osdp_jax.layers.Stack(Block(config), length=config.n_layer, name=name)
 
 
 def weighted_cross_entropy(logits, targets, weights):

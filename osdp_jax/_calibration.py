@@ -40,10 +40,17 @@ class ProbeKind(enum.Enum):
     ZERO3 = "Z"  # every shardable parameter zero3: zeta (per-step gathered weights)
     LAYER = "L"  # only the per-layer parameters zero3: kappa (temp saved per layer-gathered byte)
     SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
+    REMAT_DOTS = "D"  # as REPLICATE, every stack saving its matmul outputs: the "dots" remat terms
+    REMAT_NONE = "N"  # as REPLICATE, every stack saving everything: the "none" remat terms
 
     def zero3(self, info, problem: Problem) -> bool:
         """Whether this probe makes ``info`` zero3."""
-        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}[self.value]
+        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}.get(self.value, False)
+
+    @property
+    def remat(self) -> str:
+        """The remat policy its stacks run with."""
+        return {"D": "dots", "N": "none"}.get(self.value, "full")
 
 
 class Calibrator(Protocol):
@@ -79,7 +86,7 @@ class XlaCalibrator:
 
     def profile(self, problem, kind, batch, splits, timed):
         t0 = time.perf_counter()
-        layout = problem.layout(lambda i: kind.zero3(i, problem), splits)
+        layout = problem.layout(lambda i: kind.zero3(i, problem), splits, kind.remat)
         compiled = compile_step(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
         prof = profile_compiled(compiled)
         seconds = None
@@ -137,6 +144,7 @@ class Calibrated(NamedTuple):
 
     calibrations: dict  # batch size -> Calibration (None: uncalibrated estimates)
     probes: dict  # (ProbeKind, batch size) -> StepProfile: compiled layouts whose XLA peak is known
+    remat: dict = {}  # remat policy -> (temp bytes, compute seconds) per layer and sample, vs "full"
 
 
 def probe_choices(problem: Problem, kind: ProbeKind) -> np.ndarray | None:
@@ -153,15 +161,26 @@ def probe_choices(problem: Problem, kind: ProbeKind) -> np.ndarray | None:
     return np.array(choices, dtype=np.int64)
 
 
+def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
+    """The remat probes: one per policy other than "full" the search may choose, when the model
+    has a layer stack."""
+    if not problem.stacks:
+        return []
+    return [k for k in (ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE) if k.remat in policies]
+
+
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
-              progress=lambda jobs, desc: jobs) -> Calibrated:
+              progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
     """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
-    (batch size -> abstract batch), interpolated for the sizes between; and the probes' figures."""
+    (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
+    the remat policies' per-layer, per-sample terms, from one probe per policy at the smallest
+    batch size (activations and FLOPs are linear in the batch)."""
     sizes = sorted(batches)
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
     jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
+    jobs += [(kind, sizes[0]) for kind in remat_kinds(problem, policies)]
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
     runs = {(kind, b): calibrator.profile(problem, kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
@@ -182,8 +201,16 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
+    remat = {}
+    layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
+    for kind in remat_kinds(problem, policies):
+        full, prof = runs[ProbeKind.REPLICATE, sizes[0]][0], runs[kind, sizes[0]][0]
+        per = layers * sizes[0]
+        remat[kind.remat] = ((prof.temp_bytes - full.temp_bytes) / per,
+                             probed[sizes[0]].compute_scale * (prof.flops - full.flops) / hw.flops / per)
+        log.info("remat %s: %+.0f bytes and %+.3g s per layer and sample", kind.remat, *remat[kind.remat])
     return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
-                      {job: prof for job, (prof, _) in runs.items()})
+                      {job: prof for job, (prof, _) in runs.items()}, remat)
 
 
 def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:

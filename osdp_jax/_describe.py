@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from flax.core import meta
 
+from ._stack import is_segmented
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:
@@ -58,7 +60,7 @@ def describe(params) -> list[ParamInfo]:
     >>> describe({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)})[0].nbytes
     24
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_segmented)  # a stored stack is one
     if not flat:
         raise ValueError("params has no array leaves: nothing to plan")
     infos = []
@@ -88,4 +90,5 @@ def strip_boxes(tree):
 def flat_params(params) -> dict:
     """``{"/"-joined path: leaf}`` of a params tree, metadata boxes stripped (the paths
     :func:`describe` and plans use)."""
-    return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(strip_boxes(params))[0]}
+    flat = jax.tree_util.tree_flatten_with_path(strip_boxes(params), is_leaf=is_segmented)[0]
+    return {path_name(p): x for p, x in flat}

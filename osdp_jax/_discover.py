@@ -1,11 +1,13 @@
-"""Discovery: which parameters a loss function gathers per layer, and which reach dense layers.
+"""Discovery: which parameters a loss function runs as layer stacks, and which reach dense layers.
 
-The planner traces the loss once, abstractly, with the step context in recording mode: every
-parameter passed through ``osdp_jax.gather_params`` is noted as gathered inside a layer loop,
-and every 2-D kernel that reaches a dense layer (``osdp_jax.split.dense``, or an intercepted
-Flax ``Dense``/``nnx.Linear``) as a dense kernel. Nothing is compiled or allocated.
+The planner traces the loss once, abstractly, with the step context in recording mode: the
+parameters each ``osdp_jax.layers.scan`` call runs are noted as one stack (gathered per layer,
+inside the loop), and every 2-D kernel that reaches a dense layer (``osdp_jax.split.dense``, or
+an intercepted Flax ``Dense``/``nnx.Linear``) as a dense kernel. Nothing is compiled or allocated.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 
@@ -15,9 +17,14 @@ from .runtime.hooks import wrap_tree
 from .runtime.interception import intercepting
 
 
-def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:
-    """Paths of the parameters ``loss_fn`` passes through ``gather_params``, and of the kernels it
-    runs through a dense layer, traced abstractly (``params`` and ``batch`` may be abstract)."""
+class Found(NamedTuple):
+    in_loop: set  # paths of stacked parameters (run by layers.scan)
+    dense: set  # paths of kernels that reach a dense layer
+    stacks: tuple  # per layers.scan call, the paths of its parameters
+
+
+def find(loss_fn, params, batch) -> Found:
+    """What tracing ``loss_fn`` once, abstractly, shows (``params`` and ``batch`` may be abstract)."""
     ctx = StepContext({}, recording=True)
 
     def traced(p, b):
@@ -29,4 +36,13 @@ def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:
         # a fresh function each time: eval_shape caches traces by function, and a cached trace
         # would not call the hooks again
         jax.eval_shape(traced, params, batch)
-    return ctx.recorded_loop, ctx.recorded_split
+    stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
+    return Found(ctx.recorded_loop, ctx.recorded_split, stacks)
+
+
+def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:
+    """Paths of the stacked parameters ``loss_fn`` runs through ``osdp_jax.layers.scan``, and of the
+    kernels it runs through a dense layer, traced abstractly (``params`` and ``batch`` may be
+    abstract)."""
+    found = find(loss_fn, params, batch)
+    return found.in_loop, found.dense

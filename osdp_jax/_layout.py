@@ -16,6 +16,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ._describe import describe, path_name
+from ._stack import Segment, Segmented, check_remat, check_segments, cut, is_segmented
 from ._strategies import axes_size, axis_entry, data_axes, sharded_dim, spec_for
 
 
@@ -56,6 +57,23 @@ class ParamLayout:
     two_stage: bool = False  # gathered one mesh axis at a time, intra-node first (2-D meshes)
     dense: bool = False  # a kernel of a dense layer outside any layer loop: a sharded one is gathered
     #                      at its layer, from the layer's input (not before the loss)
+    segments: tuple[Segment, ...] = ()  # an in_loop (layer-stacked) parameter's segments, in order
+
+    @property
+    def segmented(self) -> bool:
+        """Stored as one array per segment (two or more segments)."""
+        return len(self.segments) > 1
+
+
+def whole_spec(segments) -> P:
+    """The spec a segmented parameter is kept under whole (checkpoints, export): its most sharded
+    segment's."""
+    order = {"zero3": 0, "hsdp": 1}
+    return min(segments, key=lambda s: order.get(s.strategy, 2)).spec
+
+
+def one_segment(layers: int, spec: P, strategy: str, split: int, two_stage: bool, remat: str) -> tuple:
+    return (Segment(0, layers, strategy, split, check_remat(remat), spec, two_stage),)
 
 
 def _strategy_of(spec: P, axes) -> str:
@@ -73,6 +91,9 @@ class Layout:
 
     params: tuple[ParamLayout, ...]
     axes: tuple[str, ...]
+    stacks_per_step: bool = False  # allow a layers.scan stack that is not in_loop to be gathered whole
+    #                                once per step (to measure what per-layer gathering saves); else
+    #                                such a stack is an error
 
     @property
     def layout(self) -> "Layout":  # a Layout is its own layout, as a Plan has one
@@ -102,6 +123,16 @@ class Layout:
     def dense(self) -> frozenset[str]:
         return frozenset(pl.path for pl in self.params if pl.dense)
 
+    @property
+    def segments(self) -> dict[str, tuple[Segment, ...]]:
+        """Path -> segments of every layer-stacked (``in_loop``) parameter."""
+        return {pl.path: pl.segments for pl in self.params if pl.segments}
+
+    def storage_specs(self, params):
+        """A tree shaped like the *stored* ``params`` whose leaves are their specs: a
+        :class:`Segmented` of specs where a parameter is stored in segments."""
+        return spec_tree(params, self)
+
     def collectives(self) -> dict[str, Collective | None]:
         """Path -> how it is gathered (None: replicated)."""
         return {pl.path: collective(pl.spec, self.axes, pl.two_stage) for pl in self.params}
@@ -109,11 +140,16 @@ class Layout:
     # --- constructors ------------------------------------------------------------------------
     @classmethod
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
-                   dense=()) -> "Layout":
+                   dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
-        are replicated. ``in_loop``: paths the model gathers per layer (``gather_params``);
-        ``splits``: path -> k; ``dense``: kernels of dense layers, gathered at their layer."""
+        are replicated. ``in_loop``: layer-stacked paths the model runs with
+        ``osdp_jax.layers.scan`` (``osdp_jax.discover`` finds them); ``splits``: path -> k;
+        ``dense``: kernels of dense layers, gathered at their layer. An ``in_loop`` parameter runs as
+        one segment with the ``remat`` policy, unless ``segments`` (path -> list of
+        :class:`~osdp_jax.Segment`) cuts it into several. A sharded stack left out of ``in_loop`` is
+        an error when the step runs, unless ``stacks_per_step``: then it is gathered whole before
+        the loss (what ``experiments/benchmarks/gather_memory.py`` measures against)."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -122,25 +158,38 @@ class Layout:
         unknown = sorted(set(specs) - {i.path for i in infos})
         if unknown:
             raise KeyError(f"layout names parameters the params do not have: {unknown[:3]}")
-        splits = dict(splits or {})
+        splits, segments, in_loop = dict(splits or {}), dict(segments or {}), set(in_loop) | set(segments or {})
+        unknown = sorted(set(segments) - {i.path for i in infos})
+        if unknown:
+            raise KeyError(f"segments name parameters the params do not have: {unknown[:3]}")
         params_ = []
         for i in infos:
-            spec = specs.get(i.path, P())
-            dim = sharded_dim(spec)
-            if dim is not None and i.shape[dim] % axes_size(mesh, collective(spec, axes).axes):
-                raise ValueError(f"parameter {i.path!r} {i.shape} cannot be stored as {spec}: its dimension "
-                                 f"{dim} is not divisible by the devices it is sharded over")
-            params_.append(ParamLayout(i.path, spec, _strategy_of(spec, axes), i.path in set(in_loop),
-                                       splits.get(i.path, 1), i.path in set(two_stage), i.path in set(dense)))
-        return cls(tuple(params_), axes)
+            segs = tuple(segments.get(i.path, ()))
+            spec = whole_spec(segs) if segs else specs.get(i.path, P())
+            for one in (*(s.spec for s in segs), spec):
+                dim = sharded_dim(one)
+                if dim is not None and i.shape[dim] % axes_size(mesh, collective(one, axes).axes):
+                    raise ValueError(f"parameter {i.path!r} {i.shape} cannot be stored as {one}: its dimension "
+                                     f"{dim} is not divisible by the devices it is sharded over")
+            strategy, k, staged = _strategy_of(spec, axes), splits.get(i.path, 1), i.path in set(two_stage)
+            if i.path in in_loop:
+                if len(i.shape) < 2:
+                    raise ValueError(f"parameter {i.path!r} {i.shape} cannot be gathered per layer: a stacked "
+                                     f"parameter has a layer axis and at least one more")
+                segs = segs or one_segment(i.shape[0], spec, strategy, k, staged, remat)
+                check_segments(i.path, segs, i.shape[0])
+            params_.append(ParamLayout(i.path, spec, strategy, i.path in in_loop, k, staged,
+                                       i.path in set(dense), segs))
+        return cls(tuple(params_), axes, stacks_per_step)
 
     @classmethod
-    def ddp(cls, params, mesh, *, axis=None) -> "Layout":
-        """Every parameter replicated (plain data parallelism)."""
-        return cls.from_specs(params, mesh, {}, axis=axis)
+    def ddp(cls, params, mesh, *, axis=None, in_loop=(), remat: str = "full") -> "Layout":
+        """Every parameter replicated (plain data parallelism); ``in_loop`` stacks run with the
+        ``remat`` policy."""
+        return cls.from_specs(params, mesh, {}, axis=axis, in_loop=in_loop, remat=remat)
 
     @classmethod
-    def fsdp(cls, params, mesh, *, axis=None, in_loop=(), dense=()) -> "Layout":
+    def fsdp(cls, params, mesh, *, axis=None, in_loop=(), dense=(), remat: str = "full") -> "Layout":
         """Every parameter ZeRO-3 sharded over all data-parallel devices, along its first
         dimension they divide (after the layer axis for ``in_loop`` ones); the others replicated."""
         axes = data_axes(mesh, axis)
@@ -150,7 +199,7 @@ class Layout:
         for i in describe(params):
             spec = spec_for(i, "zero3", axes, n, i.path in in_loop, n)
             specs[i.path] = spec if spec is not None else P()
-        return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense)
+        return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat)
 
 
 def as_layout(plan_or_layout) -> Layout:
@@ -161,14 +210,49 @@ def as_layout(plan_or_layout) -> Layout:
     return layout
 
 
-def spec_tree(params, specs_by_path: dict[str, P]):
-    """A tree shaped like ``params`` (boxes and all) whose leaves are the planned specs."""
-    def spec(path, _):
+def spec_tree(params, layout):
+    """A tree shaped like the stored ``params`` (boxes and all) whose leaves are the planned specs:
+    a :class:`Segmented` of the segments' specs where ``layout`` (a :class:`Layout`, or a dict of
+    path -> spec for unsegmented layouts) stores a parameter in segments."""
+    by_path = {pl.path: pl for pl in layout.params} if isinstance(layout, Layout) else None
+
+    def spec(path, x):
         name = path_name(path)
-        if name not in specs_by_path:
+        if by_path is None:
+            if name not in layout:
+                raise KeyError(f"parameter {name!r} is not in the plan; re-plan for these params")
+            return layout[name]
+        pl = by_path.get(name)
+        if pl is None:
             raise KeyError(f"parameter {name!r} is not in the plan; re-plan for these params")
-        return specs_by_path[name]
-    return jax.tree_util.tree_map_with_path(spec, params)
+        if pl.segmented:
+            bounds = tuple((s.start, s.stop) for s in pl.segments)
+            if not isinstance(x, Segmented) or x.bounds != bounds:
+                raise ValueError(
+                    f"parameter {name!r} is stored as {x!r} but the plan stores it in layer segments "
+                    f"{[f'{a}-{b - 1}' for a, b in bounds]}: place the params with osdp_jax.shard(params, mesh, "
+                    f"plan) (osdp_jax.merge_segments gives whole arrays back)")
+            return Segmented([s.spec for s in pl.segments], bounds)
+        if isinstance(x, Segmented):
+            raise ValueError(f"parameter {name!r} is stored in layer segments {x!r} that the plan does not "
+                             f"use: merge them first with osdp_jax.merge_segments, then shard under this plan")
+        return pl.spec
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_segmented)
+
+
+def to_storage(params, layout: Layout):
+    """``params`` (whole arrays, ``ShapeDtypeStruct``s, or already stored) with every parameter the
+    layout stores in segments cut into them (:class:`Segmented`)."""
+    by_path = {pl.path: pl for pl in layout.params if pl.segmented}
+    if not by_path:
+        return params
+
+    def one(path, x):
+        pl = by_path.get(path_name(path))
+        if pl is None or isinstance(x, Segmented):
+            return x
+        return cut(x, pl.segments)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_segmented)
 
 
 def opt_state_specs(optimizer, abstract_state, param_specs):

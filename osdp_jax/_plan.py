@@ -8,12 +8,13 @@ from collections import Counter
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ._layout import Layout, ParamLayout
+from ._layout import Layout, ParamLayout, one_segment
+from ._stack import Segment
 from ._strategies import sharded_dim
 from ._units import format_bytes
 
-PLAN_FORMAT = 2  # 2 records which kernels are dense layers' ("dense"); format 1 is still read
-READABLE_FORMATS = (1, 2)
+PLAN_FORMAT = 3  # 3 adds layer segments ("segments"), 2 dense kernels ("dense"); 1 and 2 are still read
+READABLE_FORMATS = (1, 2, 3)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -29,6 +30,20 @@ def _spec_from_json(entries: list) -> P:
     return P(*[tuple(e) if isinstance(e, list) else e for e in entries])
 
 
+def describe_segments(segments) -> str:
+    """``"layers 0-19 replicate, 20-47 zero3 k=2, remat=dots"`` (each segment's remat when they differ)."""
+    runs = []  # adjacent segments this parameter runs alike shown as one
+    for s in segments:
+        if runs and (runs[-1][2:]) == (s.strategy, s.split, s.remat):
+            runs[-1][1] = s.stop
+        else:
+            runs.append([s.start, s.stop, s.strategy, s.split, s.remat])
+    one = len({r[4] for r in runs}) == 1
+    parts = [(f"{a}-{b - 1}" if b - a > 1 else f"{a}") + f" {strategy}" + (f" k={k}" if k > 1 else "")
+             + ("" if one else f" remat={remat}") for a, b, strategy, k, remat in runs]
+    return "layers " + ", ".join(parts) + (f", remat={runs[0][4]}" if one else "")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamPlan:
     """One parameter's decision."""
@@ -39,10 +54,18 @@ class ParamPlan:
     strategy: str
     spec: P
     nbytes: int  # whole parameter, bytes
-    in_loop: bool = False  # gathered per layer inside the model's loop (osdp_jax.gather_params)
+    in_loop: bool = False  # layer-stacked, gathered per layer inside osdp_jax.layers.scan
     split: int = 1  # operator splitting: slices its dense layer gathers one at a time (zero3 only)
     two_stage: bool = False  # gathered one mesh axis at a time, intra-node first (2-D meshes)
     dense: bool = False  # a kernel of a dense layer (found by tracing the loss): gathered at its layer
+    segments: tuple[Segment, ...] = ()  # a stacked parameter's layer segments (empty: one, as above)
+
+    def layer_segments(self) -> tuple[Segment, ...]:
+        """The segments of a stacked (``in_loop``) parameter: its own, or one over all its layers."""
+        if not self.in_loop:
+            return ()
+        return self.segments or one_segment(self.shape[0], self.spec, self.strategy, self.split,
+                                            self.two_stage, "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +133,14 @@ class Plan:
     def layout(self) -> Layout:
         """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
         return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
-                                        pp.dense) for pp in self.params), tuple(self.axes))
+                                        pp.dense, pp.layer_segments()) for pp in self.params), tuple(self.axes))
+
+    @property
+    def segments(self) -> dict[str, list[tuple]]:
+        """Path -> ``[(start, stop, strategy, k, remat), ...]`` of each layer-stacked parameter:
+        layers ``start`` to ``stop - 1`` stored and run that way."""
+        return {pp.path: [(s.start, s.stop, s.strategy, s.split, s.remat) for s in pp.layer_segments()]
+                for pp in self.params if pp.in_loop}
 
     @property
     def two_stage(self) -> frozenset[str]:
@@ -131,19 +161,32 @@ class Plan:
         """A table: one row per group of parameters with the same shape, dtype and strategy."""
         groups: dict[tuple, list[ParamPlan]] = {}
         for pp in self.params:
-            groups.setdefault((pp.shape, pp.dtype, pp.strategy, pp.spec, pp.in_loop, pp.split, pp.two_stage),
+            mixed = len(pp.layer_segments()) > 1
+            groups.setdefault((pp.shape, pp.dtype, "segments" if mixed else pp.strategy,
+                               P() if mixed else pp.spec, pp.in_loop, 1 if mixed else pp.split, pp.two_stage),
                               []).append(pp)
         rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
                  "bytes each")]
         for (shape, dtype, strategy, spec, _, split, _), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
             where = "-" if strategy == "replicate" else ("per layer" if pps[0].in_loop else "per step")
+            where = "per layer" if strategy == "segments" else where
             where += ", 2-stage" if pps[0].two_stage else ""
             rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
                          where, str(split) if split > 1 else "-", format_bytes(pps[0].nbytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "-" * len(lines[0]))
+        stacks: dict[tuple, list[str]] = {}
+        for pp in self.params:
+            if pp.in_loop and (len(pp.layer_segments()) > 1 or pp.layer_segments()[0].remat != "full"):
+                text = describe_segments(pp.layer_segments())
+                stacks.setdefault(text, []).append(pp.path)
+        if stacks:
+            lines += ["", "layer segments (per stacked parameter):"]
+            for text, paths in stacks.items():
+                who = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1})"
+                lines.append(f"  {who}: {text}")
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
         minor = [pp for pp in self.params if pp.strategy != "replicate"
@@ -181,7 +224,7 @@ class Plan:
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
                         "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
-                        "dense": pp.dense}
+                        "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments]}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -192,7 +235,8 @@ class Plan:
             raise ValueError(f"not an osdp-jax plan JSON (formats {list(READABLE_FORMATS)})")
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
-                                 p.get("split", 1), p.get("two_stage", False), p.get("dense", False))
+                                 p.get("split", 1), p.get("two_stage", False), p.get("dense", False),
+                                 tuple(Segment.from_json(x) for x in p.get("segments", ())))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

@@ -19,9 +19,12 @@ from ._calibration import Calibrator, XlaCalibrator, calibrate, probe_choices, u
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
+from ._layout import whole_spec
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
+from ._segments import expand, expand_choices, segments
+from ._stack import REMAT_POLICIES, check_remat
 from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
@@ -46,6 +49,8 @@ class PlanOptions:
     verify: bool = True  # compile the chosen plan and re-plan if XLA's peak exceeds the budget
     measure_time: bool = False  # time the probes on the mesh and scale the time model to them
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
+    remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
+    per_layer: bool = True  # decide each layer of a stack (segments); False: one choice per stack
 
 
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
@@ -58,7 +63,14 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
       options: a :class:`PlanOptions`; or pass its fields as keywords: ``budget``, ``loss_fn``,
         ``batch``, ``batch_sizes``, ``optimizer``, ``hardware``, ``strategies``, ``axis``, ``splits``
         (``(1,)`` disables operator splitting), ``verify``, ``measure_time`` (runs the probes on the
-        mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``).
+        mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
+        (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
+        ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
+        takes the same choice, one segment).
+
+    A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
+    cut it into segments with their own strategy, split count and remat policy
+    (``Plan.segments``).
 
     Raises:
       InfeasibleBudgetError: no plan fits; ``.min_bytes`` is the smallest budget that would.
@@ -66,6 +78,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     start = time.perf_counter()
     o = dataclasses.replace(options or PlanOptions(), **kwargs)
     strategies, splits, axes = check_strategies(o.strategies), check_splits(o.splits), data_axes(mesh, o.axis)
+    policies = _policies(o.remat)
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
     optimizer = _optimizer(o.optimizer)
@@ -74,12 +87,14 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     problem = build_problem(params, mesh, axes, strategies, splits, o.loss_fn,
                             None if o.batch is None else batches[min(batches)])
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
-    calibrated = (calibrate(problem, calibrator, batches, hw, o.measure_time, _progress) if o.loss_fn is not None
-                  else uncalibrated(batches))
+    calibrated = (calibrate(problem, calibrator, batches, hw, o.measure_time, _progress, policies)
+                  if o.loss_fn is not None else uncalibrated(batches))
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
-    tables = {b: cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
-                             problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop)
+    tables = {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
+                                             other_opt, problem.topo, hw, _batch_bytes(batches[b]),
+                                             calibrated.calibrations[b], problem.in_loop),
+                        calibrated.remat, b, policies, o.per_layer)
               for b in batches}
     best, min_needed = _search(tables, budget)
     seconds = time.perf_counter() - t0
@@ -101,6 +116,13 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     return verify(best, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables), build,
                   verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
                            .peak_bytes), known)
+
+
+def _policies(remat) -> tuple[str, ...]:
+    policies = (remat,) if isinstance(remat, str) else tuple(remat)
+    if not policies:
+        raise ValueError(f"remat needs at least one policy of {list(REMAT_POLICIES)}")
+    return tuple(check_remat(p) for p in policies)
 
 
 def _optimizer(optimizer):
@@ -172,6 +194,9 @@ def _known(problem: Problem, probes: dict, tables_for: dict) -> list:
         if choices is None or size not in tables_for:
             continue
         t = tables_for[size]
+        choices = expand_choices(t, choices, kind.remat)
+        if choices is None:
+            continue
         idx = np.arange(len(choices))
         mem = float(t.mem[idx, choices].sum() + t.pools[idx, choices].sum(axis=0).max())
         sol = Solution(choices, float(t.time[idx, choices].sum()), mem)
@@ -205,14 +230,25 @@ class _Compiles:
 
 def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None,
            timing=(0.0, 0, 0.0)) -> Plan:
-    _, size, sol, tables, step_s, sps = candidate
-    pps = tuple(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=problem.columns[c][0],
-                          spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
-                          split=problem.columns[c][1], two_stage=bool(tables.two_stage[k, c]),
-                          dense=i.path in problem.dense)
-                for k, (i, c) in enumerate(zip(problem.infos, sol.choices)))
-    return Plan(params=pps, axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,
-                predicted_peak_bytes=tables.base_mem + sol.mem,
+    _, size, sol, items, step_s, sps = candidate
+    whole = {k: int(c) for (kind, k), c in zip(items.owner, sol.choices) if kind == "param"}
+    segs = segments(problem, items, sol.choices)
+    pps = []
+    for k, i in enumerate(problem.infos):
+        if i.path in segs:
+            s = segs[i.path]
+            head = next(x for x in s if x.spec == whole_spec(s))
+            pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=head.strategy,
+                                 spec=head.spec, nbytes=i.nbytes, in_loop=True, split=head.split,
+                                 two_stage=head.two_stage, dense=i.path in problem.dense, segments=s))
+            continue
+        c = whole[k]
+        pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=problem.columns[c][0],
+                             spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
+                             split=problem.columns[c][1], two_stage=bool(items.two_stage[k, c]),
+                             dense=i.path in problem.dense))
+    return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,
+                predicted_peak_bytes=items.base_mem + sol.mem,
                 predicted_step_seconds=step_s if size is not None else None,
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from ._cost import Topology
 from ._describe import ParamInfo, describe
-from ._discover import discover
-from ._layout import Layout, ParamLayout
+from ._discover import find
+from ._layout import Layout, ParamLayout, one_segment
 from ._strategies import axes_size, sharded_dim, spec_for
 
 log = logging.getLogger("osdp_jax")
@@ -35,9 +35,14 @@ class Problem:
     strategies: tuple[str, ...]  # allowed by the user
     columns: tuple[tuple[str, int], ...]  # (strategy, k) per column
     options: tuple[tuple[P | None, ...], ...]  # [parameter][column] storage spec, None: unavailable
-    in_loop: frozenset[str] = frozenset()  # gathered per layer by the model (gather_params)
+    in_loop: frozenset[str] = frozenset()  # layer-stacked, gathered per layer (osdp_jax.layers.scan)
     dense: frozenset[str] = frozenset()  # kernels of dense layers outside layer loops (gathered at the layer)
     split_ks: dict = dataclasses.field(default_factory=dict)  # (path, strategy) -> [k > 1 it can take]
+    stacks: tuple[tuple[str, ...], ...] = ()  # per layers.scan call, its stacked parameters' paths
+
+    def stack_layers(self, s: int) -> int:
+        """Layers of stack ``s``."""
+        return next(i.shape[0] for i in self.infos if i.path == self.stacks[s][0])
 
     @property
     def available(self) -> np.ndarray:
@@ -52,18 +57,31 @@ class Problem:
     def loop_mask(self) -> np.ndarray:
         return np.array([i.path in self.in_loop for i in self.infos])
 
-    def layout(self, zero3_where=lambda info: False, splits=None) -> Layout:
+    def layout(self, zero3_where=lambda info: False, splits=None, remat: str = "full") -> Layout:
         """A probe's layout: zero3 where ``zero3_where(info)`` (and it applies), else replicated;
-        ``splits`` (path -> k) on sharded kernels."""
+        ``splits`` (path -> k) on sharded kernels; every stack run with the ``remat`` policy."""
         splits = splits or {}
         params = []
         for i in self.infos:
             spec = (self.spec_of(i, "zero3") if zero3_where(i) else None) or P()
             strategy = "replicate" if sharded_dim(spec) is None else "zero3"
-            params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop,
-                                      splits.get(i.path, 1) if strategy == "zero3" else 1, False,
-                                      i.path in self.dense))
+            k = splits.get(i.path, 1) if strategy == "zero3" else 1
+            segs = one_segment(i.shape[0], spec, strategy, k, False, remat) if i.path in self.in_loop else ()
+            params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
+                                      i.path in self.dense, segs))
         return Layout(tuple(params), self.axes)
+
+
+def _stacks(found, in_loop) -> tuple[tuple[str, ...], ...]:
+    """The stacks discovery found, each its stacked parameters; a parameter in two stacks (one
+    stack run twice with others) joins the first, and stacks left empty are dropped."""
+    seen, out = set(), []
+    for stack in found:
+        mine = tuple(p for p in stack if p in in_loop and p not in seen)
+        seen.update(mine)
+        if mine:
+            out.append(mine)
+    return tuple(out)
 
 
 def _split_counts(problem: Problem, info: ParamInfo, strategy: str, splittable, splits) -> list[int]:
@@ -85,12 +103,13 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     under zero3) is replicated, the one layout that always applies.
     """
     infos = tuple(describe(params))
-    in_loop, dense, splittable = frozenset(), frozenset(), frozenset()
+    in_loop, dense, splittable, stacks = frozenset(), frozenset(), frozenset(), ()
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         shapes = {i.path: i.shape for i in infos}
-        loop_found, dense_found = discover(loss_fn, abstract, batch)
+        loop_found, dense_found, found_stacks = find(loss_fn, abstract, batch)
         in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
+        stacks = _stacks(found_stacks, in_loop)
         splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
         dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
@@ -98,7 +117,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     sharded = [s for s in ("zero3", "hsdp") if s in strategies]
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
-                      in_loop, dense)
+                      in_loop, dense, stacks=stacks)
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     options = []
     for i in infos:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -187,6 +188,8 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     for i in range(n):
         key = np.where(ok[i][:, None], res[i], np.inf).tobytes() + time_cost[i].tobytes()
         groups.setdefault(key, []).append(i)
+    groups = {(key, j): part for key, items in groups.items()
+              for j, part in enumerate(_chunks(items, int(ok[items[0]].sum())))}
     remaining = need.copy()
     f_time, f_res = np.zeros(1), np.zeros((1, k))
     stages = []  # per group: (items, cols, counts, index of the previous point, index into counts)
@@ -215,6 +218,15 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     idx = np.arange(n)
     peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
     return Solution(choices, float(time_cost[idx, choices].sum()), peak)
+
+
+def _chunks(items: list[int], choices: int) -> list[list[int]]:
+    """``items`` (identical) in as few runs as keep each run's count enumeration within
+    ``_MAX_COMBOS``: the Pareto merge of the runs is as exact as one enumeration."""
+    size = len(items)
+    while size > 1 and math.comb(size + choices - 1, choices - 1) > _MAX_COMBOS:
+        size = (size + 1) // 2
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def min_peak(mem_cost, pools) -> float:

@@ -39,7 +39,7 @@ def test_block_matches_plain_jax():
     x = jax.random.normal(jax.random.key(0), (2, 8, 32))
     params = Block(cfg).init(jax.random.key(1), x)["params"]
     params = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(2), a.shape), params)
-    out, _ = Block(cfg).apply({"params": params}, x)
+    out = Block(cfg).apply({"params": params}, x)
     np.testing.assert_allclose(out, reference_block(params, x, cfg), rtol=1e-5, atol=1e-5)
 
 
@@ -89,7 +89,8 @@ def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, pres
 def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
     """Every parameter zero3 but the stacked layer weights gathered before the loss, not per
     layer (in_loop empty, as gather_memory.py compares): the stacked dense kernels are not
-    handed to their layers unsplit (they are scanned over), and the step equals one device."""
+    handed to their layers unsplit (they are scanned over), and the step equals one device. Without
+    ``stacks_per_step`` such a layout is refused with one clear error, never run silently."""
     module, cfg, _ = models.get("gpt2-mini")
     params = models.init_params(module, 16, seed=0)
     loss_fn = models.make_loss(module)
@@ -98,7 +99,10 @@ def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
              for i in osdp_jax.describe(params)}
     assert specs["blocks/layers/fc1/kernel"] != jax.sharding.PartitionSpec()  # sharded, gathered per step
     opt = optax.sgd(0.1)
-    step = jax.jit(build_step(loss_fn, opt, mesh, Layout.from_specs(params, mesh, specs)))
+    with pytest.raises(ValueError, match="gathers it whole before the loss, once per step: mark the stack"):
+        jax.jit(build_step(loss_fn, opt, mesh, Layout.from_specs(params, mesh, specs)))(
+            params, opt.init(params), batch)
+    step = jax.jit(build_step(loss_fn, opt, mesh, Layout.from_specs(params, mesh, specs, stacks_per_step=True)))
     _, _, loss = step(params, opt.init(params), batch)
     assert float(loss) == pytest.approx(float(loss_fn(params, batch)), rel=1e-5)
 

@@ -174,5 +174,6 @@ def assert_matches_single_device(losses, sharded, params, loss_fn, optimizer, ba
     import numpy as np
     expected, final = single_device_run(params, loss_fn, optimizer, batch, len(losses))
     np.testing.assert_allclose(losses, expected, rtol=rtol)
-    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(final)):
+    import osdp_jax
+    for a, b in zip(jax.tree.leaves(osdp_jax.merge_segments(sharded)), jax.tree.leaves(final)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -2,7 +2,7 @@
 
 For a model preset (default gpt2-48l-1536, batch 8, sequence 512, 8 devices), compiles the step as
 DDP (all replicated), FSDP with every weight gathered once per step, and FSDP with the stacked
-layer weights gathered per layer inside the scanned loop (``osdp_jax.gather_params``), and prints
+layer weights gathered per layer inside the scanned loop (``osdp_jax.layers.scan``), and prints
 XLA's figures and the collectives in the HLO.
 
 Run: python experiments/benchmarks/gather_memory.py [--preset NAME] [--batch B] [--seq T]
@@ -29,7 +29,8 @@ def main():
     params, batch = s.abstract_params(), s.abstract_batch(args.batch)
     in_loop, dense = osdp_jax.discover(s.loss_fn, params, batch)
     fsdp = osdp_jax.Layout.fsdp(params, s.mesh, in_loop=in_loop, dense=dense - in_loop)
-    once = osdp_jax.Layout.from_specs(params, s.mesh, fsdp.specs_by_path, dense=dense - in_loop)
+    once = osdp_jax.Layout.from_specs(params, s.mesh, fsdp.specs_by_path, dense=dense - in_loop,
+                                      stacks_per_step=True)
 
     print(f"{args.preset}, global batch {args.batch}, sequence {args.seq}, 8 devices (XLA, compile-only)")
     for name, layout in (("DDP", osdp_jax.Layout.ddp(params, s.mesh)),

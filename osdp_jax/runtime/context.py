@@ -108,6 +108,8 @@ class StepContext:
     recording: bool = False  # discovery: record which parameters reach the hooks, change nothing
     recorded_loop: set = dataclasses.field(default_factory=set)
     recorded_split: set = dataclasses.field(default_factory=set)
+    recorded_stacks: list = dataclasses.field(default_factory=list)  # paths of each layers.scan call
+    per_step: frozenset = frozenset()  # sharded parameters gathered whole before the loss
 
     def wrap(self, array, path: str, stacked: bool):
         """What the model gets for parameter ``path`` (or one layer's slice of it, ``stacked``):

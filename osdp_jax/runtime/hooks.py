@@ -1,24 +1,12 @@
-"""The calls a model makes into osdp-jax: :func:`gather_params` and :func:`dense`.
-
-**Per-layer gathering.** XLA keeps every weight gathered outside a loop alive for the whole step
-(measured by ``experiments/benchmarks/gather_memory.py``), so ZeRO-3 only saves the gathered
-weights' memory when each layer gathers its own slice inside the loop body, under
-``jax.checkpoint`` (the backward pass gathers it again). A model opts in by passing the per-layer
-parameter slices through :func:`gather_params` in its scanned body, e.g. with Flax's
-``nn.map_variables``::
-
-    body = nn.map_variables(Block, "params", init=self.is_initializing(),
-                            trans_in_fn=lambda v: {**v, "params": osdp_jax.gather_params(
-                                v["params"], prefix="blocks/layers")})
-    nn.scan(nn.remat(body), variable_axes={"params": 0}, ...)
-
-``prefix`` is the stacked parameters' path in the params tree. Outside an osdp-jax train step (or
-for parameters the plan replicates) ``gather_params`` returns its input unchanged, so the same
-model runs anywhere.
+"""The calls a model makes into osdp-jax besides ``osdp_jax.layers.scan``: :func:`dense`.
 
 **Dense layers.** :func:`dense` is ``x @ kernel + bias`` that the plan may split (operator
 splitting, ``osdp_jax.runtime.kernels.matmul``) or gather at the layer; unmodified Flax
 ``Dense``/``nnx.Linear`` layers are routed to it (``osdp_jax.runtime.interception``).
+
+**Per-layer gathering** is ``osdp_jax.layers.scan`` (``runtime.stack``). :func:`gather_params`, the
+earlier opt-in that paired ``nn.scan`` with a path prefix, is gone: a prefix that did not match
+silently gathered the weights once per step. It now raises, naming its replacement.
 """
 from __future__ import annotations
 
@@ -26,37 +14,20 @@ import jax
 import jax.numpy as jnp
 
 from .._describe import path_name
-from .collectives import gather
 from .context import ACTIVE, SplitKernel, StepContext
 from .kernels import matmul
 
 
 def gather_params(tree, prefix: str = ""):
-    """Per-layer slices of stacked parameters, all-gathered where the plan shards them.
-
-    Args:
-      tree: the slices one loop iteration uses (leading layer axis already removed).
-      prefix: the path of the stacked parameters in the params tree, e.g. ``"blocks/layers"``.
-
-    A slice the plan *splits* (operator splitting, ``osdp_jax.split``) is passed on as its local
-    shard: the split layer gathers it one piece at a time.
-    """
-    ctx = ACTIVE.get()
-    if ctx is None:
-        return tree
-
-    def one(path, x):
-        name = "/".join(p for p in (prefix, path_name(path)) if p)
-        if ctx.recording:
-            ctx.recorded_loop.add(name)
-        if ctx.recording or name in ctx.split:
-            return ctx.wrap(x, name, stacked=True)
-        if name in ctx.gathered:
-            dim, how = ctx.gathered[name]
-            return gather(x, dim - 1, how)  # the slice has lost the leading layer axis
-        return x
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+    """Replaced by :func:`osdp_jax.layers.scan`: raises a ``TypeError`` saying so inside a step or
+    while planning; returns ``tree`` unchanged elsewhere."""
+    if ACTIVE.get() is not None:
+        raise TypeError(
+            "osdp_jax.gather_params was replaced by osdp_jax.layers.scan: run the stacked layers with "
+            "osdp_jax.layers.scan(layer_fn, stacked_params, x) (or the osdp_jax.layers.Stack linen module / "
+            "NnxStack) instead of nn.scan with gather_params; the plan then gathers each layer's weights "
+            "inside the loop, with no path prefix to match")
+    return tree
 
 
 def wrap_tree(ctx: StepContext, params):

@@ -8,8 +8,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._describe import describe
-from .._layout import as_layout, batch_specs, opt_state_specs, spec_tree
+from .._describe import describe, path_name
+from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, to_storage
+from .._stack import is_segmented, merge
 from .._strategies import axis_entry
 
 
@@ -18,10 +19,15 @@ def place(params, mesh, layout):
     back (boxes, nnx.State kept). ``jax.ShapeDtypeStruct`` leaves come back as ``ShapeDtypeStruct``
     carrying the sharding. Arrays are copied, never aliased, so donating the result to a train
     step leaves the caller's arrays intact. On a mesh spanning several processes
-    (``jax.distributed``), every process passes the same values."""
+    (``jax.distributed``), every process passes the same values.
+
+    A layer stack the layout cuts into segments comes back as one ``osdp_jax.Segmented`` per
+    parameter (one array per segment); :func:`merge_segments` gives the whole arrays back.
+    Parameters already stored in other segments are merged first."""
     layout = as_layout(layout)
     check_matches(layout, params)
-    specs = spec_tree(params, layout.specs_by_path)
+    params = to_storage(_remerge(params, layout), layout)
+    specs = spec_tree(params, layout)
 
     def one(x, spec):
         sharding = NamedSharding(mesh, spec)
@@ -39,6 +45,25 @@ def place(params, mesh, layout):
         return jax.device_put(x, sharding)
 
     return jax.tree.map(one, params, specs)
+
+
+def _remerge(params, layout: Layout):
+    """``params`` with any parameter stored in segments the layout does not use merged whole."""
+    wanted = {pl.path: tuple((s.start, s.stop) for s in pl.segments) for pl in layout.params if pl.segmented}
+
+    def one(path, x):
+        if is_segmented(x) and wanted.get(path_name(path)) != x.bounds:
+            return merge(x)
+        return x
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_segmented)
+
+
+def merge_segments(tree):
+    """``tree`` (params, optimizer state, or both) with every parameter stored in layer segments
+    (``osdp_jax.Segmented``) concatenated back into its whole ``[L, ...]`` array: the
+    parameters as the model defines them, for export or evaluation elsewhere. Abstract
+    (``ShapeDtypeStruct``) parts give an abstract whole."""
+    return merge(tree)
 
 
 def check_matches(layout, params) -> None:
@@ -61,8 +86,10 @@ def init_opt_state(optimizer, params, plan, mesh):
 
     The state is created directly in place (``jit`` with ``out_shardings``), never gathered.
     """
+    layout = as_layout(plan)
+    params = to_storage(params, layout)
     abstract = jax.eval_shape(optimizer.init, params)
-    specs = opt_state_specs(optimizer, abstract, spec_tree(params, as_layout(plan).specs_by_path))
+    specs = opt_state_specs(optimizer, abstract, spec_tree(params, layout))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
@@ -77,7 +104,9 @@ def abstract_state(params, plan, mesh, optimizer=None):
     """
     layout = as_layout(plan)
     check_matches(layout, params)
-    p_specs = spec_tree(params, layout.specs_by_path)
+    whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_segmented)
+    params = to_storage(whole, layout)
+    p_specs = spec_tree(params, layout)
 
     def sds(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))

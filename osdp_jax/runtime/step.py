@@ -25,14 +25,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._describe import path_name, strip_boxes
-from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree
+from .._describe import describe, path_name, strip_boxes
+from .._layout import Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree
+from .._stack import Segmented, is_segmented
 from .._strategies import axes_size, axis_entry, sharded_dim
 from .._xla import StepProfile, profile_compiled
 from .collectives import device_index, gather
 from .context import SplitEntry, StepContext, active
 from .hooks import wrap_tree
 from .interception import intercepting
+from .stack import SegmentRun, StackView
 from .place import abstract_args
 
 
@@ -59,25 +61,32 @@ def _reduce_out(x, axes, how: str):
     return jax.lax.psum(x, axes)
 
 
-def model_view(loss_fn, param_specs, loop_specs: dict, split_specs: dict, how: dict, lookups: bool = True):
+def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = True):
     """``f(params, *args) -> loss_fn(model params, *args)``, per device: the parameters as the model
     sees them inside the step.
 
-    ``loop_specs`` (path -> (dim, Collective)) are the sharded parameters the model gathers
-    itself, one layer at a time (``osdp_jax.gather_params``); ``split_specs`` (path ->
-    ``SplitEntry``) the kernels its dense layers gather, whole (k = 1) or one slice at a time
-    (``osdp_jax.split``); every other sharded parameter is gathered here, before the loss, as
-    ``how`` (path -> Collective) says.
+    Layer-stacked parameters (``gathering.stacks``, path -> ``SegmentRun``s) reach the model as
+    ``StackView``s, which ``osdp_jax.layers.scan`` runs segment by segment, gathering one layer at a
+    time; ``gathering.split_specs`` (path -> ``SplitEntry``) are the kernels their dense layers
+    gather, whole (k = 1) or one slice at a time (``osdp_jax.split``); every other sharded
+    parameter is gathered here, before the loss, as ``gathering.how`` (path -> Collective) says.
     """
+    how, stacks, split_specs = gathering.how, gathering.stacks, gathering.split_specs
+
     def gather_here(path, w, s):
         name = path_name(path)
-        if sharded_dim(s) is None or name in loop_specs or name in split_specs:
+        if name in stacks:
+            parts = w.parts if isinstance(w, Segmented) else (w,)
+            return StackView(name, gathering.shapes[name], parts[0].dtype, parts, stacks[name])
+        if sharded_dim(s) is None or name in split_specs:
             return w
         return gather(w, sharded_dim(s), how[name])
 
     def run(p, *args, **kwargs):
-        used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs))
-        ctx = StepContext(loop_specs, split_specs)
+        used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs, is_leaf=is_segmented))
+        ctx = StepContext({}, split_specs, per_step=gathering.per_step)
+        for path, x in jax.tree_util.tree_flatten_with_path(used, is_leaf=lambda v: isinstance(v, StackView))[0]:
+            ctx.kernels[id(x)] = (x, path_name(path))  # layers.scan names the arrays it is given
         with active(ctx), intercepting(lookups):
             return loss_fn(wrap_tree(ctx, used), *args, **kwargs)
 
@@ -126,8 +135,7 @@ class StepOptions:
         return loss, aux, new_state
 
 
-def grad_body(loss_fn, param_specs, axes, n: int, loop_specs: dict, split_specs: dict, how: dict,
-              options: StepOptions = StepOptions()):
+def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", options: StepOptions = StepOptions()):
     """The per-device body: gather, loss and gradient, gradient collectives.
 
     Returns ``(loss, aux, grads, new_state)``: the loss averaged over the devices, the aux combined
@@ -136,7 +144,7 @@ def grad_body(loss_fn, param_specs, axes, n: int, loop_specs: dict, split_specs:
     new mutable state averaged over the devices. The optimizer is not applied here: it runs on
     the global arrays (see :func:`build_step`).
     """
-    view = model_view(loss_fn, param_specs, loop_specs, split_specs, how, options.embed_lookup)
+    view = model_view(loss_fn, param_specs, gathering, options.embed_lookup)
 
     def body(params, batch, state, rng):
         if options.rng:
@@ -168,27 +176,51 @@ class _Gathering(NamedTuple):
     """Where each sharded parameter of a layout is gathered inside the step."""
 
     how: dict  # path -> Collective (None: replicated)
-    loop_specs: dict  # path -> (dim, Collective): gathered per layer by gather_params
+    stacks: dict  # path -> SegmentRuns: layer-stacked, run by osdp_jax.layers.scan
+    shapes: dict  # path -> whole shape of each stacked parameter
     split_specs: dict  # path -> SplitEntry: gathered by its dense layer, whole (k = 1) or in k slices
+    per_step: frozenset  # sharded parameters gathered whole before the loss
 
 
-def _gathering(layout: Layout, mesh) -> _Gathering:
-    """Per-layer gathering for the ``in_loop`` parameters, the dense layer's gathering for split
-    kernels and for per-step sharded kernels of dense layers (``ParamLayout.dense``: gathered at
-    the layer, from its input, since XLA:CPU's scheduler would otherwise gather them at the start
-    of the step and keep them alive through the layer loops), and before the loss for the rest."""
+def _check_splits(layout: Layout) -> None:
+    """Only sharded kernels can be split: a ``ValueError`` naming the first that is not."""
     how = layout.collectives()
-    split_specs = {}
     for pl in layout.params:
-        if pl.split > 1 and how[pl.path] is None:
+        for seg in pl.segments or ():
+            if seg.split > 1 and collective(seg.spec, layout.axes) is None:
+                raise ValueError(f"parameter {pl.path!r} is split in layers {seg.start}-{seg.stop - 1} but "
+                                 f"not sharded there: only sharded (zero3 or hsdp) kernels can be split")
+        if not pl.in_loop and pl.split > 1 and how[pl.path] is None:
             raise ValueError(f"parameter {pl.path!r} is split but not sharded: only sharded (zero3 or hsdp) "
                              f"kernels can be split")
-        if how[pl.path] is not None and (pl.split > 1 or (pl.dense and not pl.in_loop)):
+
+
+def _gathering(layout: Layout, mesh, params) -> _Gathering:
+    """Per-layer gathering for the ``in_loop`` (stacked) parameters, segment by segment; the dense
+    layer's gathering for split kernels and for per-step sharded kernels of dense layers
+    (``ParamLayout.dense``: gathered at the layer, from its input, since XLA:CPU's scheduler would
+    otherwise gather them at the start of the step and keep them alive through the layer loops);
+    and before the loss for the rest."""
+    how = layout.collectives()
+    shapes = {i.path: i.shape for i in describe(params)}
+    split_specs, stacks = {}, {}
+    for pl in layout.params:
+        if pl.in_loop:
+            runs = []
+            segments = pl.segments or one_segment(shapes[pl.path][0], pl.spec, pl.strategy, pl.split,
+                                                  pl.two_stage, "full")
+            for seg in segments:
+                c = collective(seg.spec, layout.axes, seg.two_stage)
+                runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
+                                       axes_size(mesh, c.axes) if c else 1, seg.remat))
+            stacks[pl.path] = tuple(runs)
+            continue
+        if how[pl.path] is not None and (pl.split > 1 or pl.dense):
             split_specs[pl.path] = SplitEntry(sharded_dim(pl.spec), how[pl.path], pl.split,
-                                              axes_size(mesh, how[pl.path].axes), pl.in_loop)
-    loop_specs = {pl.path: (sharded_dim(pl.spec), how[pl.path]) for pl in layout.params
-                  if pl.in_loop and how[pl.path] is not None and pl.split == 1}
-    return _Gathering(how, loop_specs, split_specs)
+                                              axes_size(mesh, how[pl.path].axes), False)
+    per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
+                         and not layout.stacks_per_step)
+    return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step)
 
 
 def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOptions()):
@@ -204,8 +236,7 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
     """
     layout = as_layout(layout)
     axes = layout.axes
-    g = _gathering(layout, mesh)
-    specs_by_path = layout.specs_by_path
+    _check_splits(layout)
 
     def step(params, opt_state, batch, *extra):
         n = axes_size(mesh, axes)
@@ -216,7 +247,8 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
         if extra:
             raise TypeError(f"the step takes (params, opt_state, batch{', state' if options.state else ''}"
                             f"{', rng' if options.rng else ''}); got {len(extra)} more argument(s)")
-        p_specs = spec_tree(params, specs_by_path)
+        p_specs = spec_tree(params, layout)
+        g = _gathering(layout, mesh, params)
         o_specs = opt_state_specs(optimizer, opt_state, p_specs)
         s_specs = jax.tree.map(lambda _: P(), state)
         r_spec = None if rng is None else P()
@@ -225,7 +257,7 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
         params, opt_state, batch, state = jax.tree.map(
             lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch, state),
             (p_specs, o_specs, in_specs[1], s_specs))
-        body = grad_body(loss_fn, p_specs, axes, n, g.loop_specs, g.split_specs, g.how, options)
+        body = grad_body(loss_fn, p_specs, axes, n, g, options)
         aux_spec = P(axis_entry(axes)) if options.aux == "gather" else P()
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                                out_specs=(P(), aux_spec, p_specs, P()), check_vma=False)
@@ -340,7 +372,6 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
     """
     options = StepOptions(False, aux, rng, False)
     layout = as_layout(plan)
-    g = _gathering(layout, mesh)
     axes = layout.axes
 
     def evaluate(params, batch, *extra):
@@ -348,8 +379,8 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
         extra = list(extra)
         st = extra.pop(0) if state else None
         key = extra.pop(0) if rng else None
-        p_specs = spec_tree(params, layout.specs_by_path)
-        view = model_view(fn, p_specs, g.loop_specs, g.split_specs, g.how)
+        p_specs = spec_tree(params, layout)
+        view = model_view(fn, p_specs, _gathering(layout, mesh, params))
 
         def body(p, b, s, r):
             kw = {}
