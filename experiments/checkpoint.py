@@ -103,8 +103,11 @@ class Checkpoints:
             return self.manager.latest_step()
 
     def save(self, step: int, params, opt_state, meta: dict) -> None:
+        """Save the state with every layer stack whole (``osdp_jax.merge_segments``), so that it
+        restores under any segmentation, plan or device count."""
+        whole = osdp_jax.merge_segments({"params": params, "opt_state": opt_state})
         self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+            state=ocp.args.StandardSave(whole),
             meta=ocp.args.JsonSave({**meta, "step": step})))
         self.manager.wait_until_finished()
 
@@ -141,13 +144,15 @@ class Checkpoints:
         shardings (``jax.ShapeDtypeStruct`` with ``sharding``): any mesh, any plan. A checkpoint
         whose arrays cannot be read raises :class:`DamagedCheckpoint`."""
         meta = self.validate(step, expected_fingerprint)
+        target = {"params": params_target, "opt_state": opt_state_target}
         try:
             with _quiet():
                 state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
-                    {"params": params_target, "opt_state": opt_state_target})))["state"]
+                    _whole_target(target))))["state"]
         except Exception as e:
             raise DamagedCheckpoint(self.directory / str(step), step,
                                     f"its arrays cannot be restored ({_first_line(e)})") from None
+        state = _cut_like(state, target)
         return state["params"], state["opt_state"], meta
 
     def restore_params(self, step: int, abstract_params, optimizer, device=None):
@@ -179,8 +184,31 @@ class Checkpoints:
         self.manager.close()
 
 
+def _whole_target(target):
+    """Restore targets with each layer stack whole: a ``Segmented`` target becomes one
+    ``ShapeDtypeStruct`` laid out as its most sharded segment (whose spec fits the whole stack)."""
+    def one(x):
+        if not isinstance(x, osdp_jax.Segmented):
+            return x
+        part = min(x.parts, key=lambda p: np.prod(p.sharding.shard_shape(p.shape)) / np.prod(p.shape))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=part.sharding)
+    return jax.tree.map(one, target, is_leaf=lambda x: isinstance(x, osdp_jax.Segmented))
+
+
+def _cut_like(state, target):
+    """``state`` (whole stacks) cut into the target's segments, each placed as its target says."""
+    def one(x, t):
+        if not isinstance(t, osdp_jax.Segmented):
+            return x
+        return osdp_jax.Segmented([jax.device_put(x[a:b], p.sharding) for (a, b), p in zip(t.bounds, t.parts)],
+                                  t.bounds)
+    return jax.tree.map(one, state, target, is_leaf=lambda x: isinstance(x, osdp_jax.Segmented))
+
+
 def export_params(params, path: pathlib.Path) -> pathlib.Path:
-    """Write ``params`` (any sharding) to a plain ``.npz``, one array per ``/``-joined path."""
+    """Write ``params`` (any sharding; layer stacks whole) to a plain ``.npz``, one array per
+    ``/``-joined path."""
+    params = osdp_jax.merge_segments(params)
     arrays = {name: np.asarray(jax.device_get(x)) for name, x in osdp_jax.flat_params(params).items()}
     path = pathlib.Path(path)
     tmp = path.with_name(path.name + ".tmp.npz")

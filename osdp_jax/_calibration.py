@@ -144,7 +144,7 @@ class Calibrated(NamedTuple):
 
     calibrations: dict  # batch size -> Calibration (None: uncalibrated estimates)
     probes: dict  # (ProbeKind, batch size) -> StepProfile: compiled layouts whose XLA peak is known
-    remat: dict = {}  # remat policy -> (temp bytes, compute seconds) per layer and sample, vs "full"
+    remat: dict = {}  # batch size -> {remat policy: (temp bytes, compute seconds) per layer, vs "full"}
 
 
 def probe_choices(problem: Problem, kind: ProbeKind) -> np.ndarray | None:
@@ -173,14 +173,14 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
               progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
     """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
     (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
-    the remat policies' per-layer, per-sample terms, from one probe per policy at the smallest
-    batch size (activations and FLOPs are linear in the batch)."""
+    the remat policies' per-layer terms, from one probe per policy at the same two sizes,
+    interpolated between them too."""
     sizes = sorted(batches)
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
     jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
-    jobs += [(kind, sizes[0]) for kind in remat_kinds(problem, policies)]
+    jobs += [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in remat_kinds(problem, policies)]
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
     runs = {(kind, b): calibrator.profile(problem, kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
@@ -201,16 +201,21 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
-    remat = {}
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
+    remat = {b: {} for b in probed}
     for kind in remat_kinds(problem, policies):
-        full, prof = runs[ProbeKind.REPLICATE, sizes[0]][0], runs[kind, sizes[0]][0]
-        per = layers * sizes[0]
-        remat[kind.remat] = ((prof.temp_bytes - full.temp_bytes) / per,
-                             probed[sizes[0]].compute_scale * (prof.flops - full.flops) / hw.flops / per)
-        log.info("remat %s: %+.0f bytes and %+.3g s per layer and sample", kind.remat, *remat[kind.remat])
+        for b in probed:
+            full, prof = runs[ProbeKind.REPLICATE, b][0], runs[kind, b][0]
+            remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
+                                    probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
+            log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])
+    if len(probed) == 2:
+        (b0, r0), (b1, r1) = sorted(remat.items())
+        for b in sizes:
+            w = (b - b0) / (b1 - b0)
+            remat[b] = {p: tuple(x + w * (y - x) for x, y in zip(r0[p], r1[p])) for p in r0}
     return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
-                      {job: prof for job, (prof, _) in runs.items()}, remat)
+                      {job: prof for job, (prof, _) in runs.items()}, {b: remat[b] for b in sizes})
 
 
 def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:

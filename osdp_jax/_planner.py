@@ -94,7 +94,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     tables = {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
                                              other_opt, problem.topo, hw, _batch_bytes(batches[b]),
                                              calibrated.calibrations[b], problem.in_loop),
-                        calibrated.remat, b, policies, o.per_layer)
+                        calibrated.remat.get(b), policies, o.per_layer)
               for b in batches}
     best, min_needed = _search(tables, budget)
     seconds = time.perf_counter() - t0

@@ -10,7 +10,8 @@ choices are the remat policies, charged per layer (per sample, times the batch s
 
     full:  0 bytes, 0 s                         (the probes' own policy)
     dots:  A_dots bytes, -F_dots / flops s     A, F fitted on probe steps that use the policy
-    none:  A_none bytes, -F_none / flops s     (``_calibration``): extra temp, fewer FLOPs
+    none:  A_none bytes, -F_none / flops s     (``_calibration``): extra temp, fewer FLOPs, per
+                                               layer, at two batch sizes, linear between
 
 The exact search (``_search.solve_pools``) groups identical items and enumerates how many layers
 take each choice, so the optimum is exact over per-layer counts. :func:`segments` then orders each
@@ -48,10 +49,10 @@ class Items:
     weight: tuple = ()  # layers each item stands for (1 per layer; L for a whole stack)
 
 
-def expand(problem, t: CostTables, remat: dict | None, batch_size: int | None, policies=("full",),
-           per_layer: bool = True) -> Items:
+def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_layer: bool = True) -> Items:
     """``t`` with every stacked parameter as one item per layer, and a remat item per layer of each
-    stack. ``remat``: policy -> ``(bytes, seconds)`` per layer and sample (None: only "full").
+    stack. ``remat``: policy -> ``(bytes, seconds)`` per layer at this batch size, relative to
+    "full" (None: only "full").
     Without ``per_layer``, one item per stacked parameter and one remat item per stack: every
     layer of a stack alike (one segment)."""
     policies = tuple(p for p in policies if p == "full" or p in (remat or {})) or ("full",)
@@ -68,11 +69,10 @@ def expand(problem, t: CostTables, remat: dict | None, batch_size: int | None, p
         owner += [("layer" if info.path in stacked else "param", k)] * per
         weight += [layers // per] * per
     base_time, base_mem = t.base_time, t.base_mem
-    b = batch_size or 0
     for s, stack in enumerate(problem.stacks):
         layers = problem.stack_layers(s)
-        m = np.array([remat[p][0] * b if remat and p != "full" else 0.0 for p in policies])
-        tt = np.array([remat[p][1] * b if remat and p != "full" else 0.0 for p in policies])
+        m = np.array([remat[p][0] if p != "full" else 0.0 for p in policies])
+        tt = np.array([remat[p][1] if p != "full" else 0.0 for p in policies])
         base_mem, base_time = base_mem + layers * m.min(), base_time + layers * tt.min()
         m, tt = m - m.min(), tt - tt.min()
         per = layers if per_layer else 1

@@ -37,10 +37,11 @@ def _setup(args=ARGS):
 
 @pytest.fixture(scope="module")
 def split_plan(tmp_path_factory):
-    """A mixed plan with split kernels, written by hand on the planner's parameter table (nothing
-    compiled): the layer stack's FFN kernels zero3 gathered per layer in 2 slices, the LM head
-    zero3 gathered at its layer, the token embedding zero3 (looked up by the step's lookup), the
-    rest replicated."""
+    """A mixed plan with split kernels and layer segments, written by hand on the planner's
+    parameter table (nothing compiled): the layer stack cut in two segments, layer 0 replicated
+    with no remat, layer 1 with its FFN kernels zero3 gathered per layer in 2 slices and the
+    matmul outputs saved (remat "dots"); the LM head zero3 gathered at its layer, the token
+    embedding zero3 (looked up by the step's lookup), the rest replicated."""
     s = _setup()
     abstract, batch = s.abstract_params(), s.abstract_batch(32)
     base = osdp_jax.plan(abstract, s.mesh, budget="1GB", batch=batch, optimizer=s.optimizer,
@@ -52,7 +53,11 @@ def split_plan(tmp_path_factory):
                                     **({"strategy": "zero3", "spec": zero3[pp.path][0], "split": zero3[pp.path][1]}
                                        if pp.path in zero3 else {}))
                 for pp in base.params)
+    pps = tuple(dataclasses.replace(pp, segments=(
+        osdp_jax.Segment(0, 1, "replicate", 1, "none", P()),
+        osdp_jax.Segment(1, 2, pp.strategy, pp.split, "dots", pp.spec))) if pp.in_loop else pp for pp in pps)
     plan = dataclasses.replace(base, params=pps)
+    assert plan.segments["blocks/layers/fc1/kernel"] == [(0, 1, "replicate", 1, "none"), (1, 2, "zero3", 2, "dots")]
     assert plan.batch_size == 32 and plan.counts()["replicate"] and plan.counts()["zero3"] == 4
     assert len(plan.splits_by_path) == 2 and plan.layout.dense == {"lm_head/kernel"}
     path = tmp_path_factory.mktemp("plan") / "plan.json"
@@ -219,6 +224,40 @@ def test_restore_on_four_devices_under_another_plan(uninterrupted):
     leaves = jax.tree.leaves(params)
     assert any(len(x.sharding.device_set) == 4 and not x.sharding.is_fully_replicated for x in leaves)
     for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((saved, saved_opt))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_restore_under_another_segmentation_and_device_count(uninterrupted, split_plan):
+    """The run was written under split_plan's segments (layer 0 replicated, layer 1 zero3): it
+    restores, with identical values, under the reverse segmentation on 4 devices, whose segments
+    come back as Segmented parts laid out as that plan says."""
+    s = runner.setup(config.load(CONFIG, {"plan.batch_sizes": "32"}))
+    abstract = s.abstract_params()
+    written = osdp_jax.Plan.from_json(split_plan.read_text())
+    assert written.segments["blocks/layers/fc2/kernel"][1][2] == "zero3"
+    four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    reverse = {}
+    for pp in written.params:
+        if pp.in_loop:
+            spec = P(None, "data") if pp.shape[1] % 4 == 0 else P()
+            reverse[pp.path] = (osdp_jax.Segment(0, 1, "zero3" if spec != P() else "replicate", 1, "dots", spec),
+                                osdp_jax.Segment(1, 2, "replicate", 1, "full", P()))
+    other = osdp_jax.Layout.from_specs(abstract, four, {}, segments=reverse)
+    ckpt = Checkpoints(uninterrupted / "checkpoints")
+    step = ckpt.latest()
+    eight = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    saved = ckpt.restore(step, *osdp_jax.abstract_state(abstract, written, eight, s.optimizer), fingerprint(abstract))
+    params, opt_state, _ = ckpt.restore(step, *osdp_jax.abstract_state(abstract, other, four, s.optimizer),
+                                        fingerprint(abstract))
+    ckpt.close()
+    kernel = params["blocks"]["layers"]["fc1"]["kernel"]
+    assert isinstance(kernel, osdp_jax.Segmented) and kernel.bounds == ((0, 1), (1, 2))
+    assert kernel.parts[0].sharding.spec == P(None, "data") and len(kernel.parts[0].sharding.device_set) == 4
+    assert kernel.parts[1].sharding.is_fully_replicated
+    assert isinstance(saved[0]["blocks"]["layers"]["fc1"]["kernel"], osdp_jax.Segmented)
+    ours, theirs = osdp_jax.merge_segments((params, opt_state)), osdp_jax.merge_segments(saved[:2])
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -24,7 +24,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from .._layout import Collective
-from .._stack import GATHERED_NAME, check_remat, remat_policy
+from .._stack import GATHERED_NAME, check_remat, is_segmented, remat_policy
 from .collectives import gather
 from .context import ACTIVE, SplitKernel, SplitSpec
 
@@ -117,6 +117,9 @@ def _run(layer_fn, leaves, treedef, x, segments, slice_of, remat_of, unroll, rec
 def scan(layer_fn, stacked, x, *, remat: str = "full", unroll: int = 1):
     """Run ``layer_fn`` over the layers of ``stacked``: ``x = layer_fn(layer_params, x)`` per layer.
 
+    Outside a step, parameters placed in segments (``osdp_jax.Segmented``, from ``osdp_jax.shard``)
+    run segment by segment as they are stored.
+
     Args:
       layer_fn: ``(layer_params, x) -> x``, with ``layer_params`` shaped like ``stacked`` without
         its leading layer axis; ``x`` any pytree of arrays, the same structure and shapes out as in.
@@ -131,7 +134,7 @@ def scan(layer_fn, stacked, x, *, remat: str = "full", unroll: int = 1):
       The last layer's output.
     """
     check_remat(remat)
-    leaves, treedef = jax.tree.flatten(stacked, is_leaf=_is_view)
+    leaves, treedef = jax.tree.flatten(stacked, is_leaf=lambda v: _is_view(v) or is_segmented(v))
     if not leaves:
         raise ValueError("osdp_jax.layers.scan: the stack has no parameters")
     layers = _layers(leaves)
@@ -155,8 +158,17 @@ def scan(layer_fn, stacked, x, *, remat: str = "full", unroll: int = 1):
                     f"before the loss, once per step: mark the stack's parameters in_loop (e.g. "
                     f"Layout.fsdp(params, mesh, in_loop=osdp_jax.discover(loss_fn, params, batch)[0])), or plan "
                     f"with osdp_jax.plan(..., loss_fn=, batch=) so that they are found")
-        return _run(layer_fn, leaves, treedef, x, [(0, layers)],
-                    lambda leaf, j, a, b: leaf, lambda j: remat, unroll, recorded)
+        stored = [leaf for leaf in leaves if is_segmented(leaf)]  # placed params used outside a step
+        bounds = list(stored[0].bounds) if stored else [(0, layers)]
+        if any(list(leaf.bounds) != bounds for leaf in stored):
+            raise ValueError("osdp_jax.layers.scan: the stack's parameters are stored in different segments; "
+                             "merge them with osdp_jax.merge_segments first")
+
+        def part(leaf, j, a, b):
+            if is_segmented(leaf):
+                return leaf.parts[j]
+            return leaf if len(bounds) == 1 else leaf[a:b]
+        return _run(layer_fn, leaves, treedef, x, bounds, part, lambda j: remat, unroll, recorded)
     bounds = [(r.start, r.stop) for r in views[0].runs]
     for v in views[1:]:
         if [(r.start, r.stop) for r in v.runs] != bounds or [r.remat for r in v.runs] != [r.remat for r in views[0].runs]:

@@ -1,6 +1,7 @@
-"""Record the planner's probe figures for tests/test_planner_recorded.py (run after a change to
-the train step: ``python tests/data/make_recorded_probes.py``). Compiles the toy model's probes on 8
-simulated CPU devices and writes tests/data/toy_probes.json."""
+"""Record the planner's probe figures for tests/test_planner_stages.py and tests/test_layers.py
+(run after a change to the train step: ``python tests/data/make_recorded_probes.py``). Compiles the
+toy model's probes and an 8-layer stacked GPT-2's (remat probes included) on 8 simulated CPU
+devices and writes tests/data/toy_probes.json and tests/data/stack_probes.json."""
 import os
 import pathlib
 import sys
@@ -16,6 +17,7 @@ import toy  # noqa: E402
 from osdp_jax.planning import XlaCalibrator  # noqa: E402
 
 OUT = pathlib.Path(__file__).with_name("toy_probes.json")
+STACK_OUT = pathlib.Path(__file__).with_name("stack_probes.json")
 BATCH_SIZES = (8, 16, 64)
 
 
@@ -29,6 +31,12 @@ def main():
         osdp_jax.plan(params, mesh, budget="64GB", loss_fn=toy.plain_loss, batch=toy.tokens(32), optimizer=opt,
                       batch_sizes=sizes, calibrator=calibrator, verify=False)
     print(f"wrote {OUT}")
+    _, params, loss_fn, batch = toy.stack_setup()
+    STACK_OUT.unlink(missing_ok=True)
+    calibrator = XlaCalibrator(loss_fn, opt, params, mesh, 16 * 2**30, record=STACK_OUT)
+    osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                  batch_sizes=(16, 64), calibrator=calibrator, verify=False)
+    print(f"wrote {STACK_OUT}")
 
 
 if __name__ == "__main__":
