@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ._cost import comm_seconds, fit, fit_time, interpolate
+from ._describe import describe
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.place import abstract_args
@@ -66,12 +67,25 @@ def _batch_size(batch) -> int:
     return int(jax.tree.leaves(batch)[0].shape[0])
 
 
+_PROBES: dict = {}  # in-process probe cache: key (see XlaCalibrator._key) -> (StepProfile, seconds)
+
+
+def clear_probe_cache() -> None:
+    """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``)."""
+    _PROBES.clear()
+
+
 @dataclasses.dataclass
 class XlaCalibrator:
     """Compile (and, when asked, time) the probe steps of ``loss_fn`` on ``mesh``.
 
     ``device_bytes``: a timed probe runs only if it fits the devices' memory. ``record``: a path
-    to write every probe's figures to, as JSON that :class:`RecordedCalibrator` reads.
+    to write every probe's figures to, as JSON that :class:`RecordedCalibrator` reads. ``cache``:
+    keep every probe's figures in this process, keyed by the loss function object, the optimizer,
+    the parameters' paths, shapes and dtypes, the probe's layout, the batch's shapes and the mesh,
+    so planning again (another budget, ``compare``) compiles no probe twice; ``cached`` counts the
+    probes found there. The optimizer is keyed by its state's structure, shapes and dtypes (two
+    instances of ``optax.adam`` share figures; a learning rate changes no figure).
     """
 
     loss_fn: object
@@ -82,22 +96,48 @@ class XlaCalibrator:
     record: str | pathlib.Path | None = None
     compiles: int = 0  # probes compiled so far
     seconds: float = 0.0  # spent compiling and timing them
+    cache: bool = True
+    cached: int = 0  # probes found in the in-process cache
     _recorded: dict = dataclasses.field(default_factory=dict)
 
+    def _key(self, layout, batch, timed):
+        params = tuple((i.path, i.shape, str(i.dtype)) for i in describe(self.params))
+        state = jax.eval_shape(self.optimizer.init, self.params)
+        optimizer = (str(jax.tree.structure(state)), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state)))
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
+        key = (self.loss_fn, optimizer, params, layout, str(jax.tree.structure(batch)), shapes, self.mesh,
+               bool(timed))
+        try:
+            hash(key)
+        except TypeError:  # an unhashable loss function or optimizer: no caching
+            return None
+        return key
+
     def profile(self, problem, kind, batch, splits, timed):
-        t0 = time.perf_counter()
         layout = problem.layout(lambda i: kind.zero3(i, problem), splits, kind.remat)
+        key = self._key(layout, batch, timed) if self.cache else None
+        if key is not None and key in _PROBES:
+            self.cached += 1
+            prof, seconds = _PROBES[key]
+            self._record(kind, batch, prof, seconds)
+            return prof, seconds
+        t0 = time.perf_counter()
         compiled = compile_step(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
         prof = profile_compiled(compiled)
         seconds = None
         if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget
             seconds = time_compiled(compiled, abstract_args(self.optimizer, self.params, batch, self.mesh, layout))
+        self._record(kind, batch, prof, seconds)
+        self.compiles += 1
+        self.seconds += time.perf_counter() - t0
+        if key is not None:
+            _PROBES[key] = (prof, seconds)
+        return prof, seconds
+
+    def _record(self, kind, batch, prof, seconds):
         if self.record is not None:
             self._recorded[f"{kind.value}/{_batch_size(batch)}"] = {**dataclasses.asdict(prof), "seconds": seconds}
             pathlib.Path(self.record).write_text(json.dumps(self._recorded, indent=1, sort_keys=True))
-        self.compiles += 1
-        self.seconds += time.perf_counter() - t0
-        return prof, seconds
 
 
 @dataclasses.dataclass

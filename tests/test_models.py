@@ -10,7 +10,7 @@ import osdp_jax
 import toy
 from models.common import Block, TransformerConfig
 from osdp_jax import Layout, discover, profile_step
-from osdp_jax._strategies import sharded_dim, spec_for
+from osdp_jax._strategies import spec_for
 from osdp_jax.runtime.step import build_step
 
 
@@ -43,47 +43,8 @@ def test_block_matches_plain_jax():
     np.testing.assert_allclose(out, reference_block(params, x, cfg), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["gpt2-mini", "opt-mini", "bert-mini"])
-def test_sharded_training_with_per_layer_gathering_matches_one_device(mesh, preset):
-    module, cfg, _ = models.get(preset)
-    seq = 16
-    params = models.init_params(module, seq, seed=0)
-    loss_fn = models.make_loss(module)
-    batch = toy.lm_batch(cfg.vocab_size, 16, seq)
-    infos = osdp_jax.describe(params)
-    in_loop, splittable = discover(loss_fn, params, batch)
-    assert any(p.startswith(("blocks/layers", "layers/layers", "encoder/layers")) for p in in_loop)
-    # every dense kernel of a block, attention projections included, can be split
-    assert {p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for p in splittable if p in in_loop} >= {
-        "fc1/kernel", "fc2/kernel"}
-    assert {p.rsplit("/", 1)[-1] for p in splittable} >= {"qkv_kernel", "out_kernel"}
-    # a hand-made mixed plan: splittable kernels zero3 in 2 slices, every other other
-    # shardable parameter zero3
-    pps, k = [], 0
-    for info in infos:
-        spec = spec_for(info, "zero3", ("data",), 8, info.path in in_loop)
-        split = 2 if info.path in splittable and spec and info.shape[sharded_dim(spec)] % 16 == 0 else 1
-        zero3 = spec is not None and (k % 2 == 0 or split > 1)
-        k += spec is not None and split == 1
-        pps.append(osdp_jax.ParamPlan(info.path, info.shape, str(info.dtype), "zero3" if zero3 else "replicate",
-                                      spec if zero3 else jax.sharding.PartitionSpec(), info.nbytes,
-                                      info.path in in_loop, split, dense=info.path in splittable - in_loop))
-    plan = osdp_jax.Plan(tuple(pps), ("data",), 8, 16, 10**9, 0.0, None, None)
-    assert {pp.strategy for pp in pps if pp.in_loop} == {"replicate", "zero3"}
-    assert plan.splits_by_path, "the plan splits at least one kernel"
-    opt = optax.adam(1e-2)
-    sharded = osdp_jax.shard(params, mesh, plan)
-    state = osdp_jax.init_opt_state(opt, sharded, plan, mesh)
-    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
-    hlo = step.lower(sharded, state, batch).compile().as_text()
-    assert "all-gather" in hlo and "reduce-scatter" in hlo
-
-    expected, _ = toy.single_device_run(params, loss_fn, opt, batch, 3)
-    losses = []
-    for _ in range(3):
-        sharded, state, loss = step(sharded, state, batch)
-        losses.append(float(loss))
-    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+# sharded training of the three models with per-layer gathering, split kernels and segments:
+# tests/test_layers.py::test_segments_with_different_strategies_splits_and_remat_train_like_one_device
 
 
 def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
