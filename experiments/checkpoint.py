@@ -148,11 +148,11 @@ class Checkpoints:
         try:
             with _quiet():
                 state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(
-                    _whole_target(target))))["state"]
+                    osdp_jax.whole_target(target))))["state"]
         except Exception as e:
             raise DamagedCheckpoint(self.directory / str(step), step,
                                     f"its arrays cannot be restored ({_first_line(e)})") from None
-        state = _cut_like(state, target)
+        state = osdp_jax.cut_segments(state, target)
         return state["params"], state["opt_state"], meta
 
     def restore_params(self, step: int, abstract_params, optimizer, device=None):
@@ -182,27 +182,6 @@ class Checkpoints:
 
     def close(self):
         self.manager.close()
-
-
-def _whole_target(target):
-    """Restore targets with each layer stack whole: a ``Segmented`` target becomes one
-    ``ShapeDtypeStruct`` laid out as its most sharded segment (whose spec fits the whole stack)."""
-    def one(x):
-        if not isinstance(x, osdp_jax.Segmented):
-            return x
-        part = min(x.parts, key=lambda p: np.prod(p.sharding.shard_shape(p.shape)) / np.prod(p.shape))
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=part.sharding)
-    return jax.tree.map(one, target, is_leaf=lambda x: isinstance(x, osdp_jax.Segmented))
-
-
-def _cut_like(state, target):
-    """``state`` (whole stacks) cut into the target's segments, each placed as its target says."""
-    def one(x, t):
-        if not isinstance(t, osdp_jax.Segmented):
-            return x
-        return osdp_jax.Segmented([jax.device_put(x[a:b], p.sharding) for (a, b), p in zip(t.bounds, t.parts)],
-                                  t.bounds)
-    return jax.tree.map(one, state, target, is_leaf=lambda x: isinstance(x, osdp_jax.Segmented))
 
 
 def export_params(params, path: pathlib.Path) -> pathlib.Path:

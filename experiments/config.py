@@ -42,6 +42,8 @@ class PlanConfig:
     batch_sizes: tuple[int, ...] = (32,)  # global batch sizes to sweep
     strategies: tuple[str, ...] = ("replicate", "zero3", "hsdp")  # hsdp needs 2+ mesh axes
     splits: tuple[int, ...] = (1, 2, 4, 8)  # operator-splitting slice counts to consider; [1] = off
+    remat: tuple[str, ...] = ("full", "dots", "none")  # remat policies a layer stack's layers may take
+    per_layer: bool = True  # decide each layer of a stack (segments); false: one choice per stack
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
@@ -124,6 +126,10 @@ def _check(cfg: ExperimentConfig):
         check_splits(cfg.plan.splits)
     except ValueError as e:
         _fail("plan.splits", str(e))
+    from osdp_jax.layers import REMAT_POLICIES
+    bad = [r for r in cfg.plan.remat if r not in REMAT_POLICIES] or ([] if cfg.plan.remat else ["(none)"])
+    if bad:
+        _fail("plan.remat", f"unknown remat policy {bad[0]!r}; give one or more of {list(REMAT_POLICIES)}")
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

@@ -1,6 +1,7 @@
 """Run an experiment config: plan it, train under the plan, or compare DDP / FSDP / OSDP."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -109,13 +110,14 @@ def setup(cfg: ExperimentConfig) -> Setup:
                  models.make_loss(module), seq_len)
 
 
-def make_plan(s: Setup, strategies=None, splits=None, verify=True) -> osdp_jax.Plan:
+def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, per_layer=None) -> osdp_jax.Plan:
     p = s.cfg.plan
     return osdp_jax.plan(
         s.abstract_params(), s.mesh, budget=p.budget, loss_fn=s.loss_fn,
         batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes, optimizer=s.optimizer,
         hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
-        verify=verify, measure_time=p.measure_time)
+        verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
+        per_layer=p.per_layer if per_layer is None else per_layer)
 
 
 def addition_accuracy(s: Setup, params) -> float:
@@ -411,22 +413,26 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
 
 
 def methods(s: Setup) -> list[tuple]:
-    """``(name, strategies, splits)`` of the methods compared: the baselines do not split operators;
-    OSDP takes the config's strategies and split counts (None)."""
-    found = [("DDP", ("replicate",), (1,)), ("FSDP", ("zero3",), (1,))]
+    """``(name, strategies, splits, remat, per_layer)`` of the methods compared: the baselines do
+    not split operators, rematerialise every layer (as FSDP with activation checkpointing does)
+    and treat a layer stack as one; OSDP takes the config's strategies, split counts, remat
+    policies and per-layer setting (None)."""
+    base = dict(splits=(1,), remat=("full",), per_layer=False)
+    found = [("DDP", ("replicate",), base), ("FSDP", ("zero3",), base)]
     if len(s.cfg.mesh.axes) > 1:  # group sharding: shard inside a node, replicate across nodes
-        found.append(("HSDP", ("hsdp",), (1,)))
-    return [*found, ("OSDP", None, None)]
+        found.append(("HSDP", ("hsdp",), base))
+    return [(name, strategies, kw["splits"], kw["remat"], kw["per_layer"]) for name, strategies, kw in found] + [
+        ("OSDP", None, None, None, None)]
 
 
 def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) -> list[dict]:
     """DDP, FSDP and OSDP under one budget, each at its own best batch size."""
     rows = []
     trainable = s.n_params <= TRAINABLE_PARAMS
-    for name, strategies, splits in methods(s):
+    for name, strategies, splits, remat, per_layer in methods(s):
         row = {"method": name, "strategies": list(strategies or s.cfg.plan.strategies)}
         try:
-            plan = make_plan(s, strategies=strategies, splits=splits)
+            plan = make_plan(s, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer)
         except osdp_jax.InfeasibleBudgetError as e:
             row.update(fits=False, min_bytes=e.min_bytes)
             rows.append(row)
@@ -434,7 +440,7 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
         row.update(fits=True, batch_size=plan.batch_size, predicted_peak_bytes=plan.predicted_peak_bytes,
                    xla_peak_bytes=plan.xla_peak_bytes,
                    predicted_samples_per_second=plan.predicted_samples_per_second,
-                   counts=plan.counts(), splits=plan.splits_by_path)
+                   counts=plan.counts(), splits=plan.splits_by_path, segments=segments_text(plan))
         if trainable and measure_steps > 0:
             sub = dataclasses.replace(s, cfg=dataclasses.replace(
                 s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
@@ -451,6 +457,22 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
     return rows
 
 
+def segments_text(plan: osdp_jax.Plan) -> str:
+    """The layer stack's segments in one line: per segment, its layers, how many of the stack's
+    parameters take each strategy there (R replicate, Z zero3, H hsdp; k when split) and the
+    remat policy, e.g. ``"0-19: 12R 5Z dots; 20-47: 17Z full"``; ``"-"`` without a stack."""
+    segs = list(plan.segments.values())
+    if not segs:
+        return "-"
+    parts = []
+    for j, (a, b, *_rest) in enumerate(segs[0]):
+        kinds = collections.Counter(f"{st[0].upper()}" + (f"k{k}" if k > 1 else "")
+                                    for st, k in ((v[j][2], v[j][3]) for v in segs))
+        mix = " ".join(f"{n}{kind}" for kind, n in sorted(kinds.items()))
+        parts.append(f"{a}-{b - 1}: {mix} {segs[0][j][4]}")
+    return "; ".join(parts)
+
+
 def comparison_markdown(s: Setup, rows) -> str:
     f = osdp_jax.format_bytes
     lines = [f"# {s.cfg.model.preset}: DDP vs FSDP vs OSDP at {f(s.budget)} per device",
@@ -458,15 +480,16 @@ def comparison_markdown(s: Setup, rows) -> str:
              f"{s.cfg.plan.hardware or 'default for the mesh'}, batch sizes {list(s.cfg.plan.batch_sizes)}. "
              "Predicted figures come from the cost model; XLA peak is measured by compiling the step; "
              "measured samples/s is a median over real steps on this machine.", "",
-             "| method | fits | batch | strategies | split kernels | predicted peak | XLA peak | predicted samples/s | measured samples/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| method | fits | batch | strategies | split kernels | layer segments | predicted peak | XLA peak | predicted samples/s | measured samples/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - | - |")
+            lines.append(f"| {r['method']} | no (needs {f(r['min_bytes'])}) | - | - | - | - | - | - | - | - |")
             continue
         meas = r.get("measured_samples_per_second")
         splits = ", ".join(f"{p.removesuffix('/kernel')} k={k}" for p, k in r.get("splits", {}).items()) or "-"
-        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {f(r['predicted_peak_bytes'])} "
+        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {r.get('segments', '-')} "
+                     f"| {f(r['predicted_peak_bytes'])} "
                      f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
                      f"| {f'{meas:.1f}' if meas else 'not measured'} |")
     return "\n".join(lines) + "\n"

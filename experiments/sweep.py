@@ -22,17 +22,18 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     for budget in budgets:
         at = dataclasses.replace(s, cfg=dataclasses.replace(
             s.cfg, plan=dataclasses.replace(s.cfg.plan, budget=budget)))
-        for name, strategies, splits in runner.methods(s):
+        for name, strategies, splits, remat, per_layer in runner.methods(s):
             row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
             try:
-                plan = runner.make_plan(at, strategies=strategies, splits=splits)
+                plan = runner.make_plan(at, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer)
             except osdp_jax.InfeasibleBudgetError as e:
                 rows.append({**row, "fits": False, "min_bytes": e.min_bytes})
                 continue
             rows.append({**row, "fits": True, "batch_size": plan.batch_size, "counts": plan.counts(),
                          "xla_peak_bytes": plan.xla_peak_bytes,
                          "predicted_samples_per_second": plan.predicted_samples_per_second,
-                         "planning_seconds": plan.planning_seconds, "compiles": plan.compiles})
+                         "planning_seconds": plan.planning_seconds, "compiles": plan.compiles,
+                         "segments": runner.segments_text(plan)})
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"model": s.cfg.model.preset, "rows": rows}, indent=1))
     (out / "sweep.md").write_text(sweep_markdown(s.cfg.model.preset, rows))

@@ -29,7 +29,7 @@ from ._describe import describe
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.place import abstract_args
-from .runtime.step import compile_step
+from .runtime.step import compile_counted
 
 log = logging.getLogger("osdp_jax")
 
@@ -41,12 +41,14 @@ class ProbeKind(enum.Enum):
     ZERO3 = "Z"  # every shardable parameter zero3: zeta (per-step gathered weights)
     LAYER = "L"  # only the per-layer parameters zero3: kappa (temp saved per layer-gathered byte)
     SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
-    REMAT_DOTS = "D"  # as REPLICATE, every stack saving its matmul outputs: the "dots" remat terms
-    REMAT_NONE = "N"  # as REPLICATE, every stack saving everything: the "none" remat terms
+    REMAT_DOTS = "D"  # as ZERO3, every stack saving its matmul outputs: the "dots" remat terms
+    REMAT_NONE = "N"  # as ZERO3, every stack saving everything: the "none" remat terms
 
     def zero3(self, info, problem: Problem) -> bool:
-        """Whether this probe makes ``info`` zero3."""
-        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}.get(self.value, False)
+        """Whether this probe makes ``info`` zero3. The remat probes are the all-zero3 step: there
+        the temp is mostly activations, so a policy's extra saved activations show undiluted by
+        the replicated gradients' buffers (whose share of the peak is a max, not a sum)."""
+        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}.get(self.value, True)
 
     @property
     def remat(self) -> str:
@@ -122,8 +124,8 @@ class XlaCalibrator:
             self._record(kind, batch, prof, seconds)
             return prof, seconds
         t0 = time.perf_counter()
-        compiled = compile_step(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
-        prof = profile_compiled(compiled)
+        compiled, missing = compile_counted(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
+        prof = profile_compiled(compiled, missing)
         seconds = None
         if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget
             seconds = time_compiled(compiled, abstract_args(self.optimizer, self.params, batch, self.mesh, layout))
@@ -245,7 +247,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     remat = {b: {} for b in probed}
     for kind in remat_kinds(problem, policies):
         for b in probed:
-            full, prof = runs[ProbeKind.REPLICATE, b][0], runs[kind, b][0]
+            full, prof = runs[ProbeKind.ZERO3, b][0], runs[kind, b][0]
             remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
                                     probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
             log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])

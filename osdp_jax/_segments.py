@@ -10,11 +10,19 @@ choices are the remat policies, charged per layer (per sample, times the batch s
 
     full:  0 bytes, 0 s                         (the probes' own policy)
     dots:  A_dots bytes, -F_dots / flops s     A, F fitted on probe steps that use the policy
-    none:  A_none bytes, -F_none / flops s     (``_calibration``): extra temp, fewer FLOPs, per
-                                               layer, at two batch sizes, linear between
+    none:  A_none bytes, -F_none / flops s     (``_calibration``: the all-zero3 step with every
+                                               stack under the policy, against "full"): extra
+                                               temp, fewer FLOPs, per layer, at two batch
+                                               sizes, linear between
 
 The exact search (``_search.solve_pools``) groups identical items and enumerates how many layers
-take each choice, so the optimum is exact over per-layer counts. :func:`segments` then orders each
+take each choice, so the optimum is exact over per-layer counts.
+
+The unit is a *pair* of layers when L is even: a segment of one layer is a loop of one iteration,
+which XLA removes, and the layer's memory is then no longer bounded by the loop (measured on
+gpt2-48l-1536 at batch 64: the same plan cut 47 + 1 peaks 1.06 GiB above the uniform plan, cut
+46 + 2 at the same 7.05 GiB). With pairs every count, hence every cut, is even. An odd L keeps
+single layers (and the compiled check catches what a one-layer segment costs). :func:`segments` then orders each
 parameter's layers so that the stack is cut into as few contiguous segments as it can find
 (segment bounds are shared by every parameter of the stack: each segment runs as one scan).
 """
@@ -62,7 +70,7 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
     pad = np.full(n_rem, np.inf)
     for k, info in enumerate(problem.infos):
         layers = info.shape[0] if info.path in stacked else 1
-        per = layers if per_layer else 1
+        per = _items(layers) if per_layer else 1
         rows_t += [np.concatenate([t.time[k] / per, pad])] * per
         rows_m += [np.concatenate([t.mem[k] / per, pad])] * per
         rows_p += [np.concatenate([t.pools[k] / per, np.zeros((n_rem, t.pools.shape[2]))])] * per
@@ -75,7 +83,7 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
         tt = np.array([remat[p][1] if p != "full" else 0.0 for p in policies])
         base_mem, base_time = base_mem + layers * m.min(), base_time + layers * tt.min()
         m, tt = m - m.min(), tt - tt.min()
-        per = layers if per_layer else 1
+        per = _items(layers) if per_layer else 1
         rows_t += [np.concatenate([np.full(n_cols, np.inf), tt * layers / per])] * per
         rows_m += [np.concatenate([np.full(n_cols, np.inf), m * layers / per])] * per
         rows_p += [np.zeros((n_cols + n_rem, t.pools.shape[2]))] * per
@@ -84,6 +92,11 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
     columns = (*t.columns, *(("remat", p) for p in policies))
     return Items(columns, np.array(rows_t), np.array(rows_m), np.array(rows_p), base_mem, base_time,
                  t.two_stage, tuple(owner), policies, tuple(weight))
+
+
+def _items(layers: int) -> int:
+    """Search items for a stack of ``layers``: one per pair of layers when even (module docstring)."""
+    return layers // 2 if layers % 2 == 0 and layers >= 4 else layers
 
 
 def expand_choices(items: Items, param_choices, policy: str = "full") -> np.ndarray | None:

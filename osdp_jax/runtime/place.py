@@ -66,6 +66,29 @@ def merge_segments(tree):
     return merge(tree)
 
 
+def whole_target(target):
+    """Restore targets (``ShapeDtypeStruct``s with shardings, e.g. from :func:`abstract_state`)
+    with every layer stack whole: a ``Segmented`` target becomes one ``[L, ...]`` target laid out
+    as its most sharded segment (whose spec fits the whole stack). Restore a checkpoint saved with
+    :func:`merge_segments` onto it, then :func:`cut_segments` it."""
+    def one(x):
+        if not is_segmented(x):
+            return x
+        part = min(x.parts, key=lambda p: np.prod(p.sharding.shard_shape(p.shape)) / np.prod(p.shape))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=part.sharding)
+    return jax.tree.map(one, target, is_leaf=is_segmented)
+
+
+def cut_segments(tree, target):
+    """``tree`` (whole layer stacks, e.g. restored onto :func:`whole_target`) cut into ``target``'s
+    segments, each part placed as its target says; other leaves unchanged."""
+    def one(x, t):
+        if not is_segmented(t):
+            return x
+        return type(t)([jax.device_put(x[a:b], p.sharding) for (a, b), p in zip(t.bounds, t.parts)], t.bounds)
+    return jax.tree.map(one, tree, target, is_leaf=is_segmented)
+
+
 def check_matches(layout, params) -> None:
     """A ``ValueError`` unless ``params`` are what ``layout`` was made for (a ``Plan`` checks
     shapes too; a ``Layout`` the parameter paths)."""

@@ -29,7 +29,7 @@ from .._describe import describe, path_name, strip_boxes
 from .._layout import Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree
 from .._stack import Segmented, is_segmented
 from .._strategies import axes_size, axis_entry, sharded_dim
-from .._xla import StepProfile, profile_compiled
+from .._xla import StepProfile, loop_flops, profile_compiled
 from .collectives import device_index, gather
 from .context import SplitEntry, StepContext, active
 from .hooks import wrap_tree
@@ -407,11 +407,19 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
     ``options`` are :func:`make_train_step`'s ``has_aux`` and ``aux``, and ``embed_lookup=False`` to
     compile with Flax's own Embed lookup instead of ``runtime.kernels.lookup``. Read XLA's
     per-device figures with :func:`osdp_jax.profile_compiled`."""
+    return compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options)[0]
+
+
+def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options):
+    """``(compiled step, FLOPs XLA leaves out)``: :func:`compile_step`, and the matmul FLOPs of
+    the loop iterations XLA's cost analysis does not count (``osdp_jax.xla.loop_flops``), from the
+    same trace."""
     args = abstract_args(optimizer, params, batch, mesh, plan)
-    step = jit_step(build_step(loss_fn, optimizer, mesh, plan, StepOptions(**options)))
-    return step.lower(*args).compile()
+    traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, StepOptions(**options))).trace(*args)
+    return traced.lower().compile(), loop_flops(traced.jaxpr)
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, plan, **options) -> StepProfile:
-    """XLA's per-device figures (:class:`osdp_jax.StepProfile`) for the step under ``plan``."""
-    return profile_compiled(compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options))
+    """XLA's per-device figures (:class:`osdp_jax.StepProfile`) for the step under ``plan``, its
+    FLOPs with every loop iteration counted."""
+    return profile_compiled(*compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options))
