@@ -127,7 +127,9 @@ def _check(cfg: ExperimentConfig):
     except ValueError as e:
         _fail("plan.splits", str(e))
     from osdp_jax.layers import REMAT_POLICIES
-    bad = [r for r in cfg.plan.remat if r not in REMAT_POLICIES] or ([] if cfg.plan.remat else ["(none)"])
+    if not cfg.plan.remat:
+        _fail("plan.remat", f"give at least one remat policy of {list(REMAT_POLICIES)}")
+    bad = [r for r in cfg.plan.remat if r not in REMAT_POLICIES]
     if bad:
         _fail("plan.remat", f"unknown remat policy {bad[0]!r}; give one or more of {list(REMAT_POLICIES)}")
     hw = cfg.plan.hardware

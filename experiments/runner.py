@@ -440,7 +440,9 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
         row.update(fits=True, batch_size=plan.batch_size, predicted_peak_bytes=plan.predicted_peak_bytes,
                    xla_peak_bytes=plan.xla_peak_bytes,
                    predicted_samples_per_second=plan.predicted_samples_per_second,
-                   counts=plan.counts(), splits=plan.splits_by_path, segments=segments_text(plan))
+                   counts=plan.counts(), splits=plan.splits_by_path, segments=segments_text(plan),
+                   predicted_step_seconds=plan.predicted_step_seconds,
+                   predicted_collective_seconds=plan.predicted_collective_seconds)
         if trainable and measure_steps > 0:
             sub = dataclasses.replace(s, cfg=dataclasses.replace(
                 s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))

@@ -41,14 +41,16 @@ class ProbeKind(enum.Enum):
     ZERO3 = "Z"  # every shardable parameter zero3: zeta (per-step gathered weights)
     LAYER = "L"  # only the per-layer parameters zero3: kappa (temp saved per layer-gathered byte)
     SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
-    REMAT_DOTS = "D"  # as ZERO3, every stack saving its matmul outputs: the "dots" remat terms
-    REMAT_NONE = "N"  # as ZERO3, every stack saving everything: the "none" remat terms
+    REMAT_DOTS = "D"  # as LAYER, every stack saving its matmul outputs: the "dots" remat terms
+    REMAT_NONE = "N"  # as LAYER, every stack saving everything: the "none" remat terms
 
     def zero3(self, info, problem: Problem) -> bool:
-        """Whether this probe makes ``info`` zero3. The remat probes are the all-zero3 step: there
-        the temp is mostly activations, so a policy's extra saved activations show undiluted by
-        the replicated gradients' buffers (whose share of the peak is a max, not a sum)."""
-        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}.get(self.value, True)
+        """Whether this probe makes ``info`` zero3. The remat probes shard the stacks (as LAYER):
+        there a policy's extra saved activations show undiluted by the stacks' replicated
+        gradient buffers (whose share of the peak is a max, not a sum); measured on the
+        all-replicated step they came out up to 3x too small at small batch sizes."""
+        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}.get(
+            self.value, info.path in problem.in_loop)
 
     @property
     def remat(self) -> str:
@@ -247,7 +249,8 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     remat = {b: {} for b in probed}
     for kind in remat_kinds(problem, policies):
         for b in probed:
-            full, prof = runs[ProbeKind.ZERO3, b][0], runs[kind, b][0]
+            base = ProbeKind.LAYER if (ProbeKind.LAYER, b) in runs else ProbeKind.ZERO3
+            full, prof = runs[base, b][0], runs[kind, b][0]
             remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
                                     probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
             log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])

@@ -49,7 +49,8 @@ The max makes the search a two-pool knapsack (``_search.solve_pools``), solved e
 Time per step: compute + communication, not overlapped, each optionally scaled by factors fitted
 on timed runs of the probe steps on the mesh (``plan(measure_time=True)``; ``fit_time``)::
 
-    compute    = FLOPs per device (XLA cost_analysis) / Hardware.flops
+    compute    = FLOPs per device / Hardware.flops      (XLA's cost_analysis, which counts a loop
+                 body once, plus the matmul FLOPs of the other iterations: _xla.loop_flops)
     replicate: all-reduce(p_i)                                  = a + 2(N-1)/N p_i / W
     zero3:     all-gather(p_i) + reduce-scatter(p_i)            = 2a + 2(N-1)/N p_i / W
     zero3, gathered per layer (L_i layers, re-gathered in the backward pass):

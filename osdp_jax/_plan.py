@@ -85,6 +85,7 @@ class Plan:
     predicted_step_seconds: float | None
     predicted_samples_per_second: float | None
     xla_peak_bytes: int | None = None
+    predicted_collective_seconds: float | None = None  # of predicted_step_seconds, the collectives
     hardware: str = ""
     search_seconds: float = 0.0  # cost tables and exact search
     planning_seconds: float = 0.0  # all of plan(), wall clock
@@ -206,7 +207,8 @@ class Plan:
             f"per-device peak: predicted {format_bytes(self.predicted_peak_bytes)}, "
             f"XLA {format_bytes(self.xla_peak_bytes) if self.xla_peak_bytes is not None else 'not compiled'}, "
             f"budget {format_bytes(self.budget_bytes)}",
-            f"predicted: {self.predicted_step_seconds * 1e3:.2f} ms/step, {sps:.1f} samples/s"
+            f"predicted: {self.predicted_step_seconds * 1e3:.2f} ms/step ("
+            f"{(self.predicted_collective_seconds or 0.0) * 1e3:.2f} ms collectives), {sps:.1f} samples/s"
             if sps is not None else "predicted throughput: - (no loss_fn/batch given)",
             f"planning: {self.planning_seconds:.1f} s, of which {self.compiles} compiles {self.compile_seconds:.1f} s "
             f"and search {self.search_seconds:.3f} s",

@@ -247,9 +247,12 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                              spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
                              split=problem.columns[c][1], two_stage=bool(items.two_stage[k, c]),
                              dense=i.path in problem.dense))
+    collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
+                            if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,
                 predicted_peak_bytes=items.base_mem + sol.mem,
                 predicted_step_seconds=step_s if size is not None else None,
+                predicted_collective_seconds=collectives if size is not None else None,
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
                 compile_seconds=timing[2], treedef=treedef)

@@ -10,8 +10,8 @@ choices are the remat policies, charged per layer (per sample, times the batch s
 
     full:  0 bytes, 0 s                         (the probes' own policy)
     dots:  A_dots bytes, -F_dots / flops s     A, F fitted on probe steps that use the policy
-    none:  A_none bytes, -F_none / flops s     (``_calibration``: the all-zero3 step with every
-                                               stack under the policy, against "full"): extra
+    none:  A_none bytes, -F_none / flops s     (``_calibration``: the step with the stacks zero3
+                                               under the policy, against "full"): extra
                                                temp, fewer FLOPs, per layer, at two batch
                                                sizes, linear between
 
@@ -21,8 +21,9 @@ take each choice, so the optimum is exact over per-layer counts.
 The unit is a *pair* of layers when L is even: a segment of one layer is a loop of one iteration,
 which XLA removes, and the layer's memory is then no longer bounded by the loop (measured on
 gpt2-48l-1536 at batch 64: the same plan cut 47 + 1 peaks 1.06 GiB above the uniform plan, cut
-46 + 2 at the same 7.05 GiB). With pairs every count, hence every cut, is even. An odd L keeps
-single layers (and the compiled check catches what a one-layer segment costs). :func:`segments` then orders each
+46 + 2 at the same 7.05 GiB). With pairs every count, hence every cut, is even. A stack of fewer
+than 4 layers is one item (one segment); an odd L of 5 or more keeps single layers (and the
+compiled check catches what a one-layer segment costs). :func:`segments` then orders each
 parameter's layers so that the stack is cut into as few contiguous segments as it can find
 (segment bounds are shared by every parameter of the stack: each segment runs as one scan).
 """
@@ -95,8 +96,11 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
 
 
 def _items(layers: int) -> int:
-    """Search items for a stack of ``layers``: one per pair of layers when even (module docstring)."""
-    return layers // 2 if layers % 2 == 0 and layers >= 4 else layers
+    """Search items for a stack of ``layers``: one per pair of layers when even (module docstring);
+    one for the whole stack under 4 layers, where any cut leaves a one-layer segment."""
+    if layers < 4:
+        return 1
+    return layers // 2 if layers % 2 == 0 else layers
 
 
 def expand_choices(items: Items, param_choices, policy: str = "full") -> np.ndarray | None:

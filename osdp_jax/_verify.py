@@ -48,7 +48,6 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         error = max(error, measured - plan.predicted_peak_bytes)
         log.info("plan attempt %d: XLA peak %s (predicted %s) over budget %s; re-planning", attempt + 1,
                  format_bytes(measured), format_bytes(plan.predicted_peak_bytes), format_bytes(budget))
-        log.debug("the plan over budget:\n%s", plan.summary())
         best = search(budget - error)
         if best is None:
             break

@@ -85,7 +85,7 @@ def test_compilation_cache_config_key(tmp_path):
     cache = tmp_path / "xla"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     cmd = [sys.executable, "-m", "experiments.cli", "plan", "experiments/gpt2_mini.toml", "--plan.batch_sizes=32",
-           "--plan.splits=1", f"--plan.compilation_cache={cache}", "--out", str(tmp_path / "p")]
+           "--plan.splits=1", "--plan.remat=full", f"--plan.compilation_cache={cache}", "--out", str(tmp_path / "p")]
     for run in range(2):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -41,6 +41,9 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\nstrategies = ["zero4"]\n', r"plan\.strategies: unknown strategy 'zero4'"),
     ('[model]\npreset = "gpt2-mini"\n[data]\ntask = "chars"\n', r"data\.path: task 'chars' needs"),
     ('[model]\npreset = "gpt2-mini"\n[model]\n', r"invalid TOML"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nremat = ["dot"]\n', r"plan\.remat: unknown remat policy 'dot'"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nremat = []\n', r"plan\.remat: give at least one remat policy"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nper_layer = "yes"\n', r"plan\.per_layer: expected bool"),
 ])
 def test_bad_configs(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -52,6 +55,8 @@ def test_overrides_are_typed(tmp_path):
     path = write(tmp_path, '[model]\npreset = "gpt2-mini"\n')
     cfg = config.load(path, {"plan.batch_sizes": "16,32", "optim.learning_rate": "3e-4", "train.steps": "7"})
     assert cfg.plan.batch_sizes == (16, 32) and cfg.optim.learning_rate == 3e-4 and cfg.train.steps == 7
+    cfg = config.load(path, {"plan.remat": "full,dots", "plan.per_layer": "false"})
+    assert cfg.plan.remat == ("full", "dots") and cfg.plan.per_layer is False
     with pytest.raises(ConfigError, match=r"--train\.stepz: unknown key; did you mean --train\.steps"):
         config.load(path, {"train.stepz": "7"})
     with pytest.raises(ConfigError, match=r"--train\.steps: expected int, got 'x'"):
