@@ -129,8 +129,8 @@ def is_segmented(x) -> bool:
     return isinstance(x, Segmented)
 
 
-def _fraction(part) -> float:
-    """Share of a placed array one device holds."""
+def held_fraction(part) -> float:
+    """Share of a placed array (or a ``ShapeDtypeStruct`` with a sharding) one device holds."""
     return np.prod(part.sharding.shard_shape(part.shape)) / max(np.prod(part.shape), 1)
 
 
@@ -148,7 +148,7 @@ def merge(tree):
         placed = [p for p in parts if isinstance(p, jax.Array) and not isinstance(p, jax.core.Tracer)
                   and hasattr(p, "sharding")]
         if len(placed) == len(parts):
-            target = min(parts, key=_fraction).sharding
+            target = min(parts, key=held_fraction).sharding
             parts = [p if p.sharding == target else jax.device_put(p, target) for p in parts]
         return jax.numpy.concatenate(parts, axis=0)
     return jax.tree.map(one, tree, is_leaf=is_segmented)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._describe import describe, path_name
 from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, to_storage
-from .._stack import is_segmented, merge
+from .._stack import held_fraction, is_segmented, merge
 from .._strategies import axis_entry
 
 
@@ -74,7 +74,7 @@ def whole_target(target):
     def one(x):
         if not is_segmented(x):
             return x
-        part = min(x.parts, key=lambda p: np.prod(p.sharding.shard_shape(p.shape)) / np.prod(p.shape))
+        part = min(x.parts, key=held_fraction)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=part.sharding)
     return jax.tree.map(one, target, is_leaf=is_segmented)
 
