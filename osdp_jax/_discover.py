@@ -25,7 +25,7 @@ class Found(NamedTuple):
 
 def find(loss_fn, params, batch) -> Found:
     """What tracing ``loss_fn`` once, abstractly, shows (``params`` and ``batch`` may be abstract)."""
-    ctx = StepContext({}, recording=True)
+    ctx = StepContext(recording=True)
 
     def traced(p, b):
         p = wrap_tree(ctx, strip_boxes(p))

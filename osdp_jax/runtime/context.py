@@ -1,7 +1,7 @@
 """What an osdp-jax train step tells the model while it is traced.
 
 The step runs the user's unmodified ``loss_fn``. Two hooks inside the model consult this context:
-``osdp_jax.gather_params`` (ZeRO-3 weights gathered one layer at a time inside a layer loop) and
+``osdp_jax.layers.scan`` (a layer stack run in segments, its weights gathered one layer at a time) and
 ``osdp_jax.split.dense`` with the Flax ``Dense``/``Linear`` interception (operator splitting).
 Split kernels reach the model as a :class:`SplitKernel`: this device's ZeRO-3 shard carrying the
 full kernel's shape, so Flax's parameter shape checks pass; any use other than a dense layer
@@ -38,7 +38,6 @@ class SplitEntry(NamedTuple):
     how: Collective
     k: int
     n: int  # devices in the gather
-    stacked: bool  # a layer-stacked parameter: wrapped per layer, inside the loop
 
 
 class SplitKernel:
@@ -102,7 +101,6 @@ class SplitKernel:
 
 @dataclasses.dataclass
 class StepContext:
-    gathered: dict  # path -> (sharded dim of the stacked parameter, Collective): gathered per layer
     split: dict = dataclasses.field(default_factory=dict)  # path -> SplitEntry
     kernels: dict = dataclasses.field(default_factory=dict)  # discovery: id(array) -> (array, path)
     recording: bool = False  # discovery: record which parameters reach the hooks, change nothing
@@ -111,17 +109,18 @@ class StepContext:
     recorded_stacks: list = dataclasses.field(default_factory=list)  # paths of each layers.scan call
     per_step: frozenset = frozenset()  # sharded parameters gathered whole before the loss
 
-    def wrap(self, array, path: str, stacked: bool):
-        """What the model gets for parameter ``path`` (or one layer's slice of it, ``stacked``):
-        a :class:`SplitKernel` if the plan splits it, else ``array``; recorded when discovering."""
+    def wrap(self, array, path: str):
+        """What the model gets for parameter ``path``: a :class:`SplitKernel` if the plan splits it
+        (a per-step kernel; layer stacks are wrapped per layer by ``runtime.stack``), else
+        ``array``; recorded when discovering."""
         if self.recording:
             # keep the array itself: its id must not be reused while the context lives
             self.kernels[id(array)] = (array, path)
             return array
         entry = self.split.get(path)
-        if entry is None or entry.stacked != stacked:
-            return array  # a stacked kernel is wrapped per layer, inside the loop
-        dim = entry.dim - (1 if stacked else 0)  # a layer's slice has lost the leading layer axis
+        if entry is None:
+            return array
+        dim = entry.dim
         shape = list(array.shape)
         shape[dim] *= entry.n
         return SplitKernel(array, tuple(shape), SplitSpec(dim, entry.how, entry.k), path)

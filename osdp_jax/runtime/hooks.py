@@ -32,7 +32,7 @@ def gather_params(tree, prefix: str = ""):
 
 def wrap_tree(ctx: StepContext, params):
     """``params`` (unboxed) as the model sees them: split kernels wrapped (``StepContext.wrap``)."""
-    return jax.tree_util.tree_map_with_path(lambda path, x: ctx.wrap(x, path_name(path), stacked=False), params)
+    return jax.tree_util.tree_map_with_path(lambda path, x: ctx.wrap(x, path_name(path)), params)
 
 
 def dense(x, kernel, bias=None, *, precision=None, dtype=None):

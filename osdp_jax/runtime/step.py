@@ -84,7 +84,7 @@ def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = Tr
 
     def run(p, *args, **kwargs):
         used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs, is_leaf=is_segmented))
-        ctx = StepContext({}, split_specs, per_step=gathering.per_step)
+        ctx = StepContext(split_specs, per_step=gathering.per_step)
         for path, x in jax.tree_util.tree_flatten_with_path(used, is_leaf=lambda v: isinstance(v, StackView))[0]:
             ctx.kernels[id(x)] = (x, path_name(path))  # layers.scan names the arrays it is given
         with active(ctx), intercepting(lookups):
@@ -217,7 +217,7 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
             continue
         if how[pl.path] is not None and (pl.split > 1 or pl.dense):
             split_specs[pl.path] = SplitEntry(sharded_dim(pl.spec), how[pl.path], pl.split,
-                                              axes_size(mesh, how[pl.path].axes), False)
+                                              axes_size(mesh, how[pl.path].axes))
     per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
                          and not layout.stacks_per_step)
     return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step)
