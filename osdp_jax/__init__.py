@@ -24,7 +24,7 @@ from ._stack import Segment, Segmented
 from .runtime.place import cut_segments, merge_segments, whole_target
 from .runtime.place import abstract_state, batch_sharding, init_opt_state
 from .runtime.step import compile_step, make_eval_step, make_train_step, profile_step
-from . import hardware, layers, planning, search, split, strategies, xla
+from . import hardware, layers, planning, search, split, strategies, units, xla
 
 __version__ = "0.1.0"
 
@@ -32,5 +32,5 @@ __all__ = [
     "Collective", "Hardware", "InfeasibleBudgetError", "Layout", "PRESETS", "ParamInfo", "ParamLayout",
     "ParamPlan", "Plan", "STRATEGIES", "Segment", "Segmented", "StepProfile", "abstract_state", "batch_sharding", "compile_step", "cut_segments",
     "describe", "discover", "enable_compilation_cache", "flat_params", "format_bytes", "hardware", "gather_params", "init_opt_state", "layers", "make_eval_step", "make_train_step", "merge_segments", "parse_bytes", "path_name", "whole_target",
-    "plan", "planning", "profile_compiled", "profile_step", "search", "shard", "split", "strategies", "xla",
+    "plan", "planning", "profile_compiled", "profile_step", "search", "shard", "split", "strategies", "units", "xla",
 ]

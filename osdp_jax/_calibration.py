@@ -39,7 +39,8 @@ class ProbeKind(enum.Enum):
 
     REPLICATE = "R"  # every parameter replicated: the activations and the all-reduce buffer
     ZERO3 = "Z"  # every shardable parameter zero3: zeta (per-step gathered weights)
-    LAYER = "L"  # only the per-layer parameters zero3: kappa (temp saved per layer-gathered byte)
+    LAYER = "L"  # only the per-layer and unit parameters zero3: kappa (temp saved per byte gathered
+    #              at use), and the units' recomputed FLOPs
     SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
     REMAT_DOTS = "D"  # as LAYER, every stack saving its matmul outputs: the "dots" remat terms
     REMAT_NONE = "N"  # as LAYER, every stack saving everything: the "none" remat terms
@@ -49,8 +50,8 @@ class ProbeKind(enum.Enum):
         there a policy's extra saved activations show undiluted by the stacks' replicated
         gradient buffers (whose share of the peak is a max, not a sum); measured on the
         all-replicated step they came out up to 3x too small at small batch sizes."""
-        return {"R": False, "Z": True, "L": info.path in problem.in_loop, "S": True}.get(
-            self.value, info.path in problem.in_loop)
+        at_use = info.path in problem.in_loop or info.path in problem.units
+        return {"R": False, "Z": True, "L": at_use, "S": True}.get(self.value, at_use)
 
     @property
     def remat(self) -> str:
@@ -238,7 +239,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
-                        got.get(ProbeKind.SPLIT), split_share)
+                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem))
         timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
                  for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
         if timed:
@@ -263,11 +264,22 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
                       {job: prof for job, (prof, _) in runs.items()}, {b: remat[b] for b in sizes})
 
 
+def _unit_mask(problem: Problem) -> np.ndarray:
+    return np.array([i.path in problem.units for i in problem.infos], dtype=bool)
+
+
 def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:
     """Modelled collective seconds of a probe's layout (no splits)."""
-    return sum(comm_seconds(i.nbytes, "zero3", hw, problem.topo, i.shape[0] if i.path in problem.in_loop else 0)
+    return sum(comm_seconds(i.nbytes, "zero3", hw, problem.topo, gathered_layers(problem, i.path, i.shape))
                if kind.zero3(i, problem) and problem.spec_of(i, "zero3") is not None
                else comm_seconds(i.nbytes, "replicate", hw, problem.topo) for i in problem.infos)
+
+
+def gathered_layers(problem: Problem, path: str, shape) -> int:
+    """How many times a sharded parameter's collectives run per step, each on 1/layers of it,
+    re-gathered in the backward pass: its layers in a stack, 1 in a unit; 0 when gathered once
+    per step and kept."""
+    return shape[0] if path in problem.in_loop else int(path in problem.units)
 
 
 def uncalibrated(sizes) -> Calibrated:

@@ -112,14 +112,16 @@ class Calibration:
     kappa: float = 0.0  # temp bytes saved per byte of per-layer parameter made zero3
     zeta: float = 0.0  # temp bytes per byte of per-step parameter made zero3 (the Z pool)
     sigma: float = SIGMA_ESTIMATE  # temp bytes saved per byte of (1 - 1/k) p / L split per layer
+    unit_flops: float = 0.0  # FLOPs per byte of unit parameter sharded: its unit's forward pass run again
     compute_scale: float = 1.0  # measured / modelled compute seconds (timed probes; 1 if not timed)
     comm_scale: float = 1.0  # measured / modelled collective seconds
 
 
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
         p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
-        split: StepProfile | None = None, split_share: float = 0.0) -> Calibration:
-    """kappa, zeta and sigma from the probes (module docstring); ``loop`` marks per-layer params.
+        split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None) -> Calibration:
+    """kappa, zeta, sigma and the units' FLOPs from the probes (module docstring); ``loop`` marks
+    the parameters gathered at use (per layer, or at a unit: ``unit`` marks those).
 
     ``split`` is the all-zero3 step with every per-layer splittable kernel split at its largest
     k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels.
@@ -135,7 +137,9 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     sigma = SIGMA_ESTIMATE
     if split is not None and split_share:
         sigma = max(0.0, (zero3.temp_bytes - split.temp_bytes) / split_share)
-    return Calibration(replicate, kappa, zeta, sigma)
+    z_unit = p[can_shard & unit].sum() if unit is not None else 0.0
+    unit_flops = max(0.0, (per_layer.flops - replicate.flops) / z_unit) if per_layer and z_unit else 0.0
+    return Calibration(replicate, kappa, zeta, sigma, unit_flops)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -239,7 +243,8 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
                         p0.flops + w * (p1.flops - p0.flops), p0.collectives)
     lerp = lambda a, b: a + w * (b - a)  # noqa: E731
     return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma),
-                       lerp(c0.compute_scale, c1.compute_scale), lerp(c0.comm_scale, c1.comm_scale))
+                       lerp(c0.unit_flops, c1.unit_flops), lerp(c0.compute_scale, c1.compute_scale),
+                       lerp(c0.comm_scale, c1.comm_scale))
 
 
 def fit_time(measured: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -265,7 +270,7 @@ ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
 def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 opt_bytes: np.ndarray, other_opt_bytes: int, topo: Topology | int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None,
-                in_loop: frozenset = frozenset()) -> CostTables:
+                in_loop: frozenset = frozenset(), units: frozenset = frozenset()) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -279,11 +284,16 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
       calibration: XLA figures for this batch size, or None for the uncalibrated estimate.
       in_loop: paths of stacked parameters the model gathers per layer; their gathered bytes
         count 1/layers (one layer's slice is alive at a time).
+      units: paths of parameters gathered at their unit (``osdp_jax.units``): sharded, they are
+        gathered twice and reduce-scattered once per step, their memory is modelled as a
+        per-layer parameter's (kappa), and their unit's forward pass runs again
+        (``Calibration.unit_flops`` per byte, under the default "full" unit remat).
     """
     topo = Topology.flat(topo) if isinstance(topo, int) else topo
     n = topo.n
     p = np.array([i.nbytes for i in infos], dtype=np.float64)
-    layers = np.array([i.shape[0] if i.path in in_loop else 0 for i in infos])
+    layers = np.array([i.shape[0] if i.path in in_loop else int(i.path in units) for i in infos])
+    unit = np.array([i.path in units for i in infos], dtype=bool)
     loop = layers > 0
     o = opt_bytes.astype(np.float64)
     if calibration is None:
@@ -320,6 +330,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                       if name == "zero3" and len(topo.sizes) > 1 else np.inf)
             two_stage[i, s] = staged < flat
             time[i, s] = cal.comm_scale * min(flat, staged)
+            if unit[i] and name != "replicate" and calibration is not None:
+                time[i, s] += cal.compute_scale * cal.unit_flops * p[i] / hw.flops
     # the search wants non-negative costs: move each row's smallest entry into the base
     shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
     mem -= shift[:, None]

@@ -3,7 +3,8 @@
 The planner traces the loss once, abstractly, with the step context in recording mode: the
 parameters each ``osdp_jax.layers.scan`` call runs are noted as one stack (gathered per layer,
 inside the loop), and every 2-D kernel that reaches a dense layer (``osdp_jax.split.dense``, or
-an intercepted Flax ``Dense``/``nnx.Linear``) as a dense kernel. Nothing is compiled or allocated.
+an intercepted Flax ``Dense``/``nnx.Linear``) as a dense kernel; every call that could be a unit
+(``osdp_jax.units``) with the parameters it holds. Nothing is compiled or allocated.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Found(NamedTuple):
     in_loop: set  # paths of stacked parameters (run by layers.scan)
     dense: set  # paths of kernels that reach a dense layer
     stacks: tuple  # per layers.scan call, the paths of its parameters
+    units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
 
 
 def find(loss_fn, params, batch) -> Found:
@@ -37,7 +39,7 @@ def find(loss_fn, params, batch) -> Found:
         # would not call the hooks again
         jax.eval_shape(traced, params, batch)
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
-    return Found(ctx.recorded_loop, ctx.recorded_split, stacks)
+    return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units))
 
 
 def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:

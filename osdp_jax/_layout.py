@@ -58,6 +58,8 @@ class ParamLayout:
     dense: bool = False  # a kernel of a dense layer outside any layer loop: a sharded one is gathered
     #                      at its layer, from the layer's input (not before the loss)
     segments: tuple[Segment, ...] = ()  # an in_loop (layer-stacked) parameter's segments, in order
+    unit: str = ""  # the unit (osdp_jax.units) a sharded parameter is gathered at, on each call and again
+    #                 in the backward pass; "" gathers it once per step
 
     @property
     def segmented(self) -> bool:
@@ -94,6 +96,7 @@ class Layout:
     stacks_per_step: bool = False  # allow a layers.scan stack that is not in_loop to be gathered whole
     #                                once per step (to measure what per-layer gathering saves); else
     #                                such a stack is an error
+    unit_remat: str = "full"  # what a unit saves for its backward pass (osdp_jax.units): a remat policy
 
     @property
     def layout(self) -> "Layout":  # a Layout is its own layout, as a Plan has one
@@ -124,6 +127,11 @@ class Layout:
         return frozenset(pl.path for pl in self.params if pl.dense)
 
     @property
+    def units(self) -> dict[str, str]:
+        """Path -> unit of every parameter gathered at a unit (``osdp_jax.units``)."""
+        return {pl.path: pl.unit for pl in self.params if pl.unit}
+
+    @property
     def segments(self) -> dict[str, tuple[Segment, ...]]:
         """Path -> segments of every layer-stacked (``in_loop``) parameter."""
         return {pl.path: pl.segments for pl in self.params if pl.segments}
@@ -140,7 +148,8 @@ class Layout:
     # --- constructors ------------------------------------------------------------------------
     @classmethod
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
-                   dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False) -> "Layout":
+                   dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
+                   units=None, unit_remat: str = "full") -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -149,7 +158,10 @@ class Layout:
         one segment with the ``remat`` policy, unless ``segments`` (path -> list of
         :class:`~osdp_jax.Segment`) cuts it into several. A sharded stack left out of ``in_loop`` is
         an error when the step runs, unless ``stacks_per_step``: then it is gathered whole before
-        the loss (what ``experiments/benchmarks/gather_memory.py`` measures against)."""
+        the loss (what ``experiments/benchmarks/gather_memory.py`` measures against). ``units``:
+        path -> the unit (``osdp_jax.units``, e.g. a linen module path such as ``"blocks_3"``) a
+        sharded parameter is gathered at, instead of once per step; ``unit_remat`` the remat policy
+        its units run under."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -159,9 +171,15 @@ class Layout:
         if unknown:
             raise KeyError(f"layout names parameters the params do not have: {unknown[:3]}")
         splits, segments, in_loop = dict(splits or {}), dict(segments or {}), set(in_loop) | set(segments or {})
-        unknown = sorted(set(segments) - {i.path for i in infos})
-        if unknown:
-            raise KeyError(f"segments name parameters the params do not have: {unknown[:3]}")
+        units = dict(units or {})
+        for what, named in (("segments", segments), ("units", units)):
+            unknown = sorted(set(named) - {i.path for i in infos})
+            if unknown:
+                raise KeyError(f"{what} name parameters the params do not have: {unknown[:3]}")
+        stacked_units = sorted(set(units) & in_loop)
+        if stacked_units:
+            raise ValueError(f"parameter {stacked_units[0]!r} is layer-stacked (gathered per layer by "
+                             f"osdp_jax.layers.scan): it cannot also be gathered at a unit")
         params_ = []
         for i in infos:
             segs = tuple(segments.get(i.path, ()))
@@ -179,8 +197,8 @@ class Layout:
                 segs = segs or one_segment(i.shape[0], spec, strategy, k, staged, remat)
                 check_segments(i.path, segs, i.shape[0])
             params_.append(ParamLayout(i.path, spec, strategy, i.path in in_loop, k, staged,
-                                       i.path in set(dense), segs))
-        return cls(tuple(params_), axes, stacks_per_step)
+                                       i.path in set(dense), segs, units.get(i.path, "")))
+        return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat))
 
     @classmethod
     def ddp(cls, params, mesh, *, axis=None, in_loop=(), remat: str = "full") -> "Layout":
@@ -189,9 +207,12 @@ class Layout:
         return cls.from_specs(params, mesh, {}, axis=axis, in_loop=in_loop, remat=remat)
 
     @classmethod
-    def fsdp(cls, params, mesh, *, axis=None, in_loop=(), dense=(), remat: str = "full") -> "Layout":
+    def fsdp(cls, params, mesh, *, axis=None, in_loop=(), dense=(), remat: str = "full", units=None,
+             unit_remat: str = "full") -> "Layout":
         """Every parameter ZeRO-3 sharded over all data-parallel devices, along its first
-        dimension they divide (after the layer axis for ``in_loop`` ones); the others replicated."""
+        dimension they divide (after the layer axis for ``in_loop`` ones); the others replicated.
+        ``units`` (path -> unit) and ``unit_remat`` as in :meth:`from_specs`
+        (``osdp_jax.units.find`` finds the units)."""
         axes = data_axes(mesh, axis)
         n = axes_size(mesh, axes)
         in_loop = set(in_loop)
@@ -199,7 +220,8 @@ class Layout:
         for i in describe(params):
             spec = spec_for(i, "zero3", axes, n, i.path in in_loop, n)
             specs[i.path] = spec if spec is not None else P()
-        return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat)
+        return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat,
+                              units=units, unit_remat=unit_remat)
 
 
 def as_layout(plan_or_layout) -> Layout:

@@ -13,8 +13,8 @@ from ._stack import Segment
 from ._strategies import sharded_dim
 from ._units import format_bytes
 
-PLAN_FORMAT = 3  # 3 adds layer segments ("segments"), 2 dense kernels ("dense"); 1 and 2 are still read
-READABLE_FORMATS = (1, 2, 3)
+PLAN_FORMAT = 4  # 4 adds units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels; 1-3 are still read
+READABLE_FORMATS = (1, 2, 3, 4)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -59,6 +59,7 @@ class ParamPlan:
     two_stage: bool = False  # gathered one mesh axis at a time, intra-node first (2-D meshes)
     dense: bool = False  # a kernel of a dense layer (found by tracing the loss): gathered at its layer
     segments: tuple[Segment, ...] = ()  # a stacked parameter's layer segments (empty: one, as above)
+    unit: str = ""  # the unit (osdp_jax.units) a sharded parameter is gathered at; "": once per step
 
     def layer_segments(self) -> tuple[Segment, ...]:
         """The segments of a stacked (``in_loop``) parameter: its own, or one over all its layers."""
@@ -91,6 +92,7 @@ class Plan:
     planning_seconds: float = 0.0  # all of plan(), wall clock
     compile_seconds: float = 0.0  # of which compiling (and timing) probe and verification steps
     compiles: int = 0  # XLA compiles that planning ran
+    unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 
     # --- pytree views --------------------------------------------------------------------------
@@ -134,7 +136,8 @@ class Plan:
     def layout(self) -> Layout:
         """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
         return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
-                                        pp.dense, pp.layer_segments()) for pp in self.params), tuple(self.axes))
+                                        pp.dense, pp.layer_segments(), pp.unit) for pp in self.params),
+                      tuple(self.axes), unit_remat=self.unit_remat)
 
     @property
     def segments(self) -> dict[str, list[tuple]]:
@@ -142,6 +145,15 @@ class Plan:
         layers ``start`` to ``stop - 1`` stored and run that way."""
         return {pp.path: [(s.start, s.stop, s.strategy, s.split, s.remat) for s in pp.layer_segments()]
                 for pp in self.params if pp.in_loop}
+
+    @property
+    def units(self) -> dict[str, list[str]]:
+        """Unit -> paths of the sharded parameters gathered there (``osdp_jax.units``)."""
+        out: dict[str, list[str]] = {}
+        for pp in self.params:
+            if pp.unit:
+                out.setdefault(pp.unit, []).append(pp.path)
+        return out
 
     @property
     def two_stage(self) -> frozenset[str]:
@@ -164,13 +176,14 @@ class Plan:
         for pp in self.params:
             mixed = len(pp.layer_segments()) > 1
             groups.setdefault((pp.shape, pp.dtype, "segments" if mixed else pp.strategy,
-                               P() if mixed else pp.spec, pp.in_loop, 1 if mixed else pp.split, pp.two_stage),
-                              []).append(pp)
+                               P() if mixed else pp.spec, pp.in_loop, 1 if mixed else pp.split, pp.two_stage,
+                               bool(pp.unit)), []).append(pp)
         rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
                  "bytes each")]
-        for (shape, dtype, strategy, spec, _, split, _), pps in groups.items():
+        for (shape, dtype, strategy, spec, _, split, _, _), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
-            where = "-" if strategy == "replicate" else ("per layer" if pps[0].in_loop else "per step")
+            where = "-" if strategy == "replicate" else (
+                "per layer" if pps[0].in_loop else "per unit" if pps[0].unit else "per step")
             where = "per layer" if strategy == "segments" else where
             where += ", 2-stage" if pps[0].two_stage else ""
             rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
@@ -188,6 +201,12 @@ class Plan:
             for text, paths in stacks.items():
                 who = paths[0] if len(paths) == 1 else f"{paths[0]} (+{len(paths) - 1})"
                 lines.append(f"  {who}: {text}")
+        units = self.units
+        if units:
+            names = sorted(units)
+            shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+            lines += ["", f"units (gathered on each call and again in the backward pass, remat={self.unit_remat}): "
+                          f"{shown}"]
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
         minor = [pp for pp in self.params if pp.strategy != "replicate"
@@ -226,7 +245,7 @@ class Plan:
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
                         "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
-                        "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments]}
+                        "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments], "unit": pp.unit}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -238,7 +257,7 @@ class Plan:
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
                                  p.get("split", 1), p.get("two_stage", False), p.get("dense", False),
-                                 tuple(Segment.from_json(x) for x in p.get("segments", ())))
+                                 tuple(Segment.from_json(x) for x in p.get("segments", ())), p.get("unit", ""))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

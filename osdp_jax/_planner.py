@@ -7,6 +7,7 @@ Each stage is its own module: ``_problem`` (the choice columns and what applies 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -23,7 +24,7 @@ from ._layout import whole_spec
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
-from ._segments import expand, expand_choices, segments
+from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
 from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes
 from ._units import format_bytes, parse_bytes
@@ -51,6 +52,8 @@ class PlanOptions:
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
     remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
     per_layer: bool = True  # decide each layer of a stack (segments); False: one choice per stack
+    units: object = None  # unit patterns (osdp_jax.units); None: the default policy; (): no units
+    unit_remat: str = "full"  # the remat policy units run under
 
 
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
@@ -66,7 +69,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
         ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
-        takes the same choice, one segment).
+        takes the same choice, one segment), ``units`` (``fnmatch`` patterns of the submodules
+        whose sharded weights are gathered on each call and again in the backward pass,
+        ``osdp_jax.units``; None: the default policy; ``()``: none) and ``unit_remat`` (the remat
+        policy units run under, default ``"full"``).
 
     A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
     cut it into segments with their own strategy, split count and remat policy
@@ -85,15 +91,44 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     batches = _batches(o.loss_fn, o.batch, o.batch_sizes, axes_size(mesh, axes))
     problem = build_problem(params, mesh, axes, strategies, splits, o.loss_fn,
-                            None if o.batch is None else batches[min(batches)])
+                            None if o.batch is None else batches[min(batches)], o.units, o.unit_remat)
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
+    run = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
+                            abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
+                            start=start)
+    if o.units is not None or not problem.units:
+        return run(problem)
+    # the default policy found units: a unit saves memory for one more gather (and, under the
+    # default "full" unit remat, its forward pass again), so plan with and without them and keep
+    # the faster plan (the all-replicate probe is the same in both, and compiled once)
+    plans, errors = [], []
+    for p in (problem, dataclasses.replace(problem, units={})):
+        try:
+            plans.append(run(p))
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+    if not plans:
+        raise min(errors, key=lambda e: e.min_bytes)
+    best = max(plans, key=lambda p: (p.predicted_samples_per_second or -p.predicted_step_seconds or 0.0,
+                                     -p.predicted_peak_bytes))
+    log.info("units: %s (%s)", "used" if best.units else "not used",
+             ", ".join(f"{len(p.units)} units: {p.predicted_samples_per_second or 0:.4g} samples/s" for p in plans))
+    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start,
+                               compiles=max(p.compiles for p in plans),
+                               compile_seconds=max(p.compile_seconds for p in plans))
+
+
+def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget, optimizer, abstract, batches,
+                  policies, calibrator, start) -> Plan:
+    """calibrate -> cost -> search -> verify -> build, for one problem."""
+    strategies, axes = problem.strategies, problem.axes
     calibrated = (calibrate(problem, calibrator, batches, hw, o.measure_time, _progress, policies)
                   if o.loss_fn is not None else uncalibrated(batches))
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
     tables = {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
                                              other_opt, problem.topo, hw, _batch_bytes(batches[b]),
-                                             calibrated.calibrations[b], problem.in_loop),
+                                             calibrated.calibrations[b], problem.in_loop, frozenset(problem.units)),
                         calibrated.remat.get(b), policies, o.per_layer)
               for b in batches}
     best, min_needed = _search(tables, budget)
@@ -231,7 +266,7 @@ class _Compiles:
 def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None,
            timing=(0.0, 0, 0.0)) -> Plan:
     _, size, sol, items, step_s, sps = candidate
-    whole = {k: int(c) for (kind, k), c in zip(items.owner, sol.choices) if kind == "param"}
+    whole = param_columns(items, sol.choices)
     segs = segments(problem, items, sol.choices)
     pps = []
     for k, i in enumerate(problem.infos):
@@ -243,10 +278,11 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                                  two_stage=head.two_stage, dense=i.path in problem.dense, segments=s))
             continue
         c = whole[k]
-        pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=problem.columns[c][0],
+        strategy, split = problem.columns[c]
+        pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=strategy,
                              spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
-                             split=problem.columns[c][1], two_stage=bool(items.two_stage[k, c]),
-                             dense=i.path in problem.dense))
+                             split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
+                             unit=problem.units.get(i.path, "") if strategy != "replicate" and split == 1 else ""))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,
@@ -255,7 +291,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                 predicted_collective_seconds=collectives if size is not None else None,
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
-                compile_seconds=timing[2], treedef=treedef)
+                compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat)
 
 
 def _infeasible_message(budget, min_needed, strategies, axes) -> str:

@@ -19,7 +19,9 @@ from ._cost import Topology
 from ._describe import ParamInfo, describe
 from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
+from ._stack import check_remat
 from ._strategies import axes_size, sharded_dim, spec_for
+from ._unit_policy import choose
 
 log = logging.getLogger("osdp_jax")
 
@@ -39,6 +41,8 @@ class Problem:
     dense: frozenset[str] = frozenset()  # kernels of dense layers outside layer loops (gathered at the layer)
     split_ks: dict = dataclasses.field(default_factory=dict)  # (path, strategy) -> [k > 1 it can take]
     stacks: tuple[tuple[str, ...], ...] = ()  # per layers.scan call, its stacked parameters' paths
+    units: dict = dataclasses.field(default_factory=dict)  # path -> unit it is gathered at when sharded
+    unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
 
     def stack_layers(self, s: int) -> int:
         """Layers of stack ``s``."""
@@ -55,7 +59,12 @@ class Problem:
         return np.array([self.spec_of(i, "zero3") is not None for i in self.infos])
 
     def loop_mask(self) -> np.ndarray:
-        return np.array([i.path in self.in_loop for i in self.infos])
+        """Parameters gathered where they are used, one layer or unit at a time, not once per step."""
+        return np.array([i.path in self.in_loop or i.path in self.units for i in self.infos])
+
+    def at_use(self) -> frozenset[str]:
+        """Paths of the parameters :meth:`loop_mask` marks."""
+        return self.in_loop | frozenset(self.units)
 
     def layout(self, zero3_where=lambda info: False, splits=None, remat: str = "full") -> Layout:
         """A probe's layout: zero3 where ``zero3_where(info)`` (and it applies), else replicated;
@@ -67,9 +76,10 @@ class Problem:
             strategy = "replicate" if sharded_dim(spec) is None else "zero3"
             k = splits.get(i.path, 1) if strategy == "zero3" else 1
             segs = one_segment(i.shape[0], spec, strategy, k, False, remat) if i.path in self.in_loop else ()
+            unit = self.units.get(i.path, "") if strategy != "replicate" and k == 1 else ""
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
-                                      i.path in self.dense, segs))
-        return Layout(tuple(params), self.axes)
+                                      i.path in self.dense, segs, unit))
+        return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)
 
 
 def _stacks(found, in_loop) -> tuple[tuple[str, ...], ...]:
@@ -94,30 +104,37 @@ def _split_counts(problem: Problem, info: ParamInfo, strategy: str, splittable, 
     return [k for k in splits if k > 1 and size % (group * k) == 0]
 
 
-def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=None) -> Problem:
+def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=None, units=None,
+                  unit_remat: str = "full") -> Problem:
     """The problem for ``params`` on ``mesh``'s data-parallel ``axes``; with ``loss_fn`` and an
-    (abstract) ``batch``, the loss is traced once to find per-layer parameters and dense kernels.
+    (abstract) ``batch``, the loss is traced once to find per-layer parameters, dense kernels and
+    units (``units``: patterns of the units to use, None: the default policy, ``()``: none; see
+    ``_unit_policy``).
 
     Columns: every allowed strategy at k = 1, then the sharded ones at each k > 1 of ``splits``.
     A parameter no allowed strategy can store (a 0-d scalar, or no dimension the devices divide,
     under zero3) is replicated, the one layout that always applies.
     """
     infos = tuple(describe(params))
-    in_loop, dense, splittable, stacks = frozenset(), frozenset(), frozenset(), ()
+    in_loop, dense, splittable, stacks, unit_of = frozenset(), frozenset(), frozenset(), (), {}
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         shapes = {i.path: i.shape for i in infos}
-        loop_found, dense_found, found_stacks = find(loss_fn, abstract, batch)
+        loop_found, dense_found, found_stacks, found_units = find(loss_fn, abstract, batch)
         in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
         stacks = _stacks(found_stacks, in_loop)
         splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
         dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
+        sizes = {i.path: i.nbytes for i in infos if i.path not in loop_found}
+        unit_of = choose(found_units, sizes, units)
+        if unit_of:
+            log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
     names = strategies if "replicate" in strategies else (*strategies, "replicate")
     sharded = [s for s in ("zero3", "hsdp") if s in strategies]
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
-                      in_loop, dense, stacks=stacks)
+                      in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat))
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     options = []
     for i in infos:

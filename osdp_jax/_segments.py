@@ -43,7 +43,8 @@ from ._stack import Segment
 class Items:
     """Cost tables over search items (``CostTables``' fields, rows per item), and whose each item is:
     ``owner[i]`` is ``("param", k)`` (parameter k whole), ``("layer", k)`` (one layer of stacked
-    parameter k) or ``("remat", s)`` (one layer of stack s's remat choice). Columns are the
+    parameter k), ``("remat", s)`` (one layer of stack s's remat choice) or ``("unit", u)`` (the
+    parameters of unit u, ``units[u]``, together: a unit is decided whole). Columns are the
     problem's (strategy, k) columns, then ``("remat", policy)`` per policy."""
 
     columns: tuple
@@ -56,6 +57,8 @@ class Items:
     owner: tuple
     policies: tuple[str, ...]
     weight: tuple = ()  # layers each item stands for (1 per layer; L for a whole stack)
+    units: tuple = ()  # per unit item ("unit", u): its parameters' indices
+    unit_cols: tuple = ()  # [u][column]: each of its parameters' column when the unit takes it
 
 
 def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_layer: bool = True) -> Items:
@@ -69,7 +72,11 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
     stacked = {p for stack in problem.stacks for p in stack}
     rows_t, rows_m, rows_p, owner, weight = [], [], [], [], []
     pad = np.full(n_rem, np.inf)
+    groups: dict = {}
     for k, info in enumerate(problem.infos):
+        if info.path in problem.units and info.path not in stacked:
+            groups.setdefault(problem.units[info.path], []).append(k)
+            continue
         layers = info.shape[0] if info.path in stacked else 1
         per = _items(layers) if per_layer else 1
         rows_t += [np.concatenate([t.time[k] / per, pad])] * per
@@ -77,6 +84,23 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
         rows_p += [np.concatenate([t.pools[k] / per, np.zeros((n_rem, t.pools.shape[2]))])] * per
         owner += [("layer" if info.path in stacked else "param", k)] * per
         weight += [layers // per] * per
+    units, unit_cols = [], []
+    replicate = t.columns.index(("replicate", 1))
+    for u, members in enumerate(groups.values()):
+        # a unit is one item: all its parameters take the unit's strategy (those that cannot stay
+        # replicated); split columns are not offered
+        cols = tuple(tuple(c if k == 1 and np.isfinite(t.mem[m, c]) else replicate for m in members)
+                     for c, (_, k) in enumerate(t.columns))
+        ok = np.array([k == 1 for _, k in t.columns])
+        for rows, table in ((rows_t, t.time), (rows_m, t.mem)):
+            row = np.array([sum(table[m, mc] for m, mc in zip(members, cols[c])) for c in range(n_cols)])
+            rows.append(np.concatenate([np.where(ok, row, np.inf), pad]))
+        pools = np.array([sum(t.pools[m, mc] for m, mc in zip(members, cols[c])) for c in range(n_cols)])
+        rows_p.append(np.concatenate([pools, np.zeros((n_rem, t.pools.shape[2]))]))
+        owner.append(("unit", u))
+        weight.append(1)
+        units.append(tuple(members))
+        unit_cols.append(cols)
     base_time, base_mem = t.base_time, t.base_mem
     for s, stack in enumerate(problem.stacks):
         layers = problem.stack_layers(s)
@@ -92,7 +116,18 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
         weight += [layers // per] * per
     columns = (*t.columns, *(("remat", p) for p in policies))
     return Items(columns, np.array(rows_t), np.array(rows_m), np.array(rows_p), base_mem, base_time,
-                 t.two_stage, tuple(owner), policies, tuple(weight))
+                 t.two_stage, tuple(owner), policies, tuple(weight), tuple(units), tuple(unit_cols))
+
+
+def param_columns(items: Items, choices) -> dict[int, int]:
+    """Parameter index -> chosen column, for the parameters decided whole (alone or as a unit)."""
+    out = {}
+    for (kind, k), c in zip(items.owner, choices):
+        if kind == "param":
+            out[k] = int(c)
+        elif kind == "unit":
+            out.update(zip(items.units[k], items.unit_cols[k][c]))
+    return out
 
 
 def _items(layers: int) -> int:
@@ -109,8 +144,12 @@ def expand_choices(items: Items, param_choices, policy: str = "full") -> np.ndar
     if ("remat", policy) not in items.columns:
         return None
     remat_col = items.columns.index(("remat", policy))
-    return np.array([param_choices[k] if kind != "remat" else remat_col for kind, k in items.owner],
-                    dtype=np.int64)
+    replicate = items.columns.index(("replicate", 1))
+
+    def unit_col(u):  # the column of its first parameter that is not replicated
+        return next((int(param_choices[m]) for m in items.units[u] if param_choices[m] != replicate), replicate)
+    return np.array([remat_col if kind == "remat" else unit_col(k) if kind == "unit" else param_choices[k]
+                     for kind, k in items.owner], dtype=np.int64)
 
 
 def counts(items: Items, choices) -> tuple[dict, dict]:
@@ -119,6 +158,9 @@ def counts(items: Items, choices) -> tuple[dict, dict]:
     for (kind, k), c, w in zip(items.owner, choices, items.weight):
         if kind == "remat":
             per_stack.setdefault(k, Counter())[items.columns[c][1]] += w
+        elif kind == "unit":
+            for m, mc in zip(items.units[k], items.unit_cols[k][c]):
+                per_param.setdefault(m, Counter())[int(mc)] += w
         else:
             per_param.setdefault(k, Counter())[int(c)] += w
     return per_param, per_stack

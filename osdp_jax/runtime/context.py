@@ -108,6 +108,10 @@ class StepContext:
     recorded_split: set = dataclasses.field(default_factory=set)
     recorded_stacks: list = dataclasses.field(default_factory=list)  # paths of each layers.scan call
     per_step: frozenset = frozenset()  # sharded parameters gathered whole before the loss
+    units: dict = dataclasses.field(default_factory=dict)  # path -> the unit it is gathered at (runtime.units)
+    unit_remat: str = "full"  # the remat policy units run under
+    in_unit: bool = False  # tracing inside a unit call: nested units run as plain calls
+    recorded_units: list = dataclasses.field(default_factory=list)  # discovery: (kind, name, paths) per call
 
     def wrap(self, array, path: str):
         """What the model gets for parameter ``path``: a :class:`SplitKernel` if the plan splits it

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from .context import SplitKernel
+from . import units
+from .context import ACTIVE, SplitKernel
 from .hooks import dense, record
 from .kernels import lookup
 
@@ -58,9 +59,42 @@ def _install(cls, name: str, replacement) -> None:
         setattr(cls, name, dispatch)
 
 
+def _apply_clone(module, method: str, variables, *args, **kwargs):
+    """``module.method(*args)`` run on ``variables``: an unbound copy of the module applied to them,
+    with a key per rng stream the module's scope has (``runtime.units`` runs a unit this way)."""
+    rngs = {name: module.make_rng(name) for name in module.scope.rngs} or None
+    return module.clone(parent=None).apply(variables, *args, method=None if method == "__call__" else method,
+                                           rngs=rngs, **kwargs)
+
+
+_NOT_A_UNIT = object()
+
+
+def _linen_unit(module, method: str, args, kwargs):
+    """A linen module method as a unit call (``runtime.units``), or ``_NOT_A_UNIT``: every
+    method of a submodule holding only parameters is recorded while discovering, and runs as its
+    unit when the plan names the module's path."""
+    ctx = ACTIVE.get()
+    if ctx is None or ctx.in_unit or module.scope is None or not module.scope.path:
+        return _NOT_A_UNIT
+    name = "/".join(module.scope.path)
+    if ctx.recording:
+        variables = module.variables
+        if set(variables) == {"params"}:
+            units.record("linen", name, variables["params"])
+        return _NOT_A_UNIT
+    if name not in ctx.units.values():
+        return _NOT_A_UNIT
+    return units.call("linen", name, module.variables, lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw),
+                      *args, **kwargs)
+
+
 def _linen(next_fun, args, kwargs, context):
-    """One linen interceptor for Dense and Embed calls."""
+    """One linen interceptor for units, and for Dense and Embed calls."""
     module = context.module
+    out = _linen_unit(module, context.method_name, args, kwargs)
+    if out is not _NOT_A_UNIT:
+        return out
     if context.method_name != "__call__" or module.scope is None or len(args) != 1 or kwargs:
         return next_fun(*args, **kwargs)
     if type(module) is nn.Dense:

@@ -84,7 +84,8 @@ def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = Tr
 
     def run(p, *args, **kwargs):
         used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs, is_leaf=is_segmented))
-        ctx = StepContext(split_specs, per_step=gathering.per_step)
+        ctx = StepContext(split_specs, per_step=gathering.per_step, units=gathering.units,
+                          unit_remat=gathering.unit_remat)
         for path, x in jax.tree_util.tree_flatten_with_path(used, is_leaf=lambda v: isinstance(v, StackView))[0]:
             ctx.kernels[id(x)] = (x, path_name(path))  # layers.scan names the arrays it is given
         with active(ctx), intercepting(lookups):
@@ -180,6 +181,8 @@ class _Gathering(NamedTuple):
     shapes: dict  # path -> whole shape of each stacked parameter
     split_specs: dict  # path -> SplitEntry: gathered by its dense layer, whole (k = 1) or in k slices
     per_step: frozenset  # sharded parameters gathered whole before the loss
+    units: dict  # path -> the unit (runtime.units) it is gathered at, on entry and in the backward pass
+    unit_remat: str  # the remat policy units run under
 
 
 def _check_splits(layout: Layout) -> None:
@@ -196,14 +199,15 @@ def _check_splits(layout: Layout) -> None:
 
 
 def _gathering(layout: Layout, mesh, params) -> _Gathering:
-    """Per-layer gathering for the ``in_loop`` (stacked) parameters, segment by segment; the dense
+    """Per-layer gathering for the ``in_loop`` (stacked) parameters, segment by segment; gathering
+    at the unit (``ParamLayout.unit``, ``runtime.units``); the dense
     layer's gathering for split kernels and for per-step sharded kernels of dense layers
     (``ParamLayout.dense``: gathered at the layer, from its input, since XLA:CPU's scheduler would
     otherwise gather them at the start of the step and keep them alive through the layer loops);
     and before the loss for the rest."""
     how = layout.collectives()
     shapes = {i.path: i.shape for i in describe(params)}
-    split_specs, stacks = {}, {}
+    split_specs, stacks, units = {}, {}, {}
     for pl in layout.params:
         if pl.in_loop:
             runs = []
@@ -215,12 +219,15 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
                                        axes_size(mesh, c.axes) if c else 1, seg.remat))
             stacks[pl.path] = tuple(runs)
             continue
-        if how[pl.path] is not None and (pl.split > 1 or pl.dense):
+        if how[pl.path] is not None and (pl.split > 1 or pl.dense or pl.unit):
             split_specs[pl.path] = SplitEntry(sharded_dim(pl.spec), how[pl.path], pl.split,
                                               axes_size(mesh, how[pl.path].axes))
+            if pl.unit and pl.split == 1:
+                units[pl.path] = pl.unit
     per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
                          and not layout.stacks_per_step)
-    return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step)
+    return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step, units,
+                      layout.unit_remat)
 
 
 def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOptions()):

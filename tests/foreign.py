@@ -1,0 +1,150 @@
+"""Small models written the way users write them, with no osdp-jax call inside: an einsum
+transformer with tied embeddings and an unrolled loop of blocks (linen), a ViT-style encoder run
+as a Python loop of blocks (nnx), and a plain-JAX MLP of decorated blocks. Used by test_unit_calls
+and experiments/benchmarks/foreign_models.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import nnx
+
+import osdp_jax
+
+
+class Attention(nn.Module):
+    d: int
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.d // self.heads
+        wq = self.param("wq", nn.initializers.normal(0.02), (self.d, self.heads, k))
+        wkv = self.param("wkv", nn.initializers.normal(0.02), (self.d, 2, k))  # one shared k/v head (GQA)
+        wo = self.param("wo", nn.initializers.normal(0.02), (self.heads, k, self.d))
+        q = jnp.einsum("btd,dhk->bthk", x, wq)
+        kv = jnp.einsum("btd,dck->btck", x, wkv)
+        s = jnp.einsum("bthk,bsk->bhts", q, kv[:, :, 0]) / np.sqrt(k)
+        mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        a = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1)
+        return jnp.einsum("bthk,hkd->btd", jnp.einsum("bhts,bsk->bthk", a, kv[:, :, 1]), wo)
+
+
+class GatedMlp(nn.Module):
+    d: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w_in", nn.initializers.normal(0.02), (self.d, 2, 2 * self.d))
+        w_out = self.param("w_out", nn.initializers.normal(0.02), (2 * self.d, self.d))
+        h = jnp.einsum("btd,dgf->btgf", x, w)
+        return (jax.nn.silu(h[:, :, 0]) * h[:, :, 1]) @ w_out
+
+
+class Block(nn.Module):
+    d: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + Attention(self.d)(nn.RMSNorm()(x))
+        return x + GatedMlp(self.d)(nn.RMSNorm()(x))
+
+
+class EinsumLM(nn.Module):
+    """Tied embedding (looked up, then ``x @ table.T``), einsum layers, an unrolled loop."""
+
+    vocab: int = 256
+    d: int = 64
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, tokens):
+        table = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, self.d))
+        x = table[tokens]
+        for i in range(self.layers):
+            x = Block(self.d, name=f"block_{i}")(x)
+        return nn.RMSNorm()(x) @ table.T
+
+
+def einsum_lm(layers=4, d=64, vocab=256, batch=16, seq=32):
+    """``(params, loss_fn, batch)`` of :class:`EinsumLM`."""
+    model = EinsumLM(vocab, d, layers)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
+    data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    params = model.init(jax.random.key(0), data["x"])["params"]
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return params, loss_fn, data
+
+
+class VitBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, d, decode=False, rngs=rngs)
+        self.fc1, self.fc2 = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.norm2(x))))
+
+
+class Vit(nnx.Module):
+    """Patch embedding, a Python loop of blocks, mean pooling, a classifier."""
+
+    def __init__(self, depth=4, d=64, patch=4, classes=10, *, rngs):
+        self.patch = patch
+        self.embed = nnx.Linear(patch * patch * 3, d, rngs=rngs)
+        self.blocks = nnx.List([VitBlock(d, rngs) for _ in range(depth)])
+        self.head = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, images):
+        b, h, w, c = images.shape
+        p = self.patch
+        x = images.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5).reshape(b, -1, p * p * c)
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(axis=1))
+
+
+def vit(depth=4, d=64, batch=16, mark=True):
+    """``(params, loss_fn, batch)`` of :class:`Vit`, its units marked (``osdp_jax.units.mark``)."""
+    model = Vit(depth, d, rngs=nnx.Rngs(0))
+    if mark:
+        osdp_jax.units.mark(model)
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, 16, 16, 3)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)}
+
+    def loss_fn(p, b):
+        logits = nnx.merge(graphdef, p)(b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return params, loss_fn, data
+
+
+@osdp_jax.units.unit
+def mlp_block(p, x):
+    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def plain_mlp(layers=4, d=64, batch=16):
+    """``(params, loss_fn, batch)`` of a plain-JAX MLP whose blocks are ``@osdp_jax.units.unit``."""
+    keys = jax.random.split(jax.random.key(0), 2 * layers)
+    params = {f"layer{i}": {"w1": 0.1 * jax.random.normal(keys[2 * i], (d, 2 * d)),
+                            "w2": 0.1 * jax.random.normal(keys[2 * i + 1], (2 * d, d))} for i in range(layers)}
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, d)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(batch, d)), jnp.float32)}
+
+    def loss_fn(p, b):
+        x = b["x"]
+        for i in range(layers):
+            x = mlp_block(p[f"layer{i}"], x)
+        return ((x - b["y"]) ** 2).mean()
+    return params, loss_fn, data

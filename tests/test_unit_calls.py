@@ -1,0 +1,126 @@
+"""Units (osdp_jax.units): submodules of unmodified models gathered on entry and again in the
+backward pass. The models (tests/foreign.py) make no osdp-jax call, except the plain-JAX one's
+decorator and the nnx one's ``units.mark``."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import foreign
+import osdp_jax
+from osdp_jax._unit_policy import choose
+
+MODELS = {"linen-einsum-tied": foreign.einsum_lm, "nnx-vit": foreign.vit, "plain-jax": foreign.plain_mlp}
+MIB = 2**20
+
+
+def test_default_policy_layer_list_share_and_patterns():
+    calls = [("linen", "embed", ("embed/t",)), ("linen", "block_0", ("block_0/a", "block_0/Dense_0/k")),
+             ("linen", "block_0/Dense_0", ("block_0/Dense_0/k",)), ("linen", "block_1", ("block_1/a",)),
+             ("linen", "head", ("head/k",)), ("linen", "head/Dense_0", ("head/k",))]
+    sizes = {"embed/t": 40, "block_0/a": 10, "block_0/Dense_0/k": 10, "block_1/a": 20, "head/k": 1}
+    # the layer list (outermost), then the 1/8 share rule (embed: 40 of 81 bytes; head: too small)
+    assert choose(calls, sizes) == {"block_0/a": "block_0", "block_0/Dense_0/k": "block_0",
+                                    "block_1/a": "block_1", "embed/t": "embed"}
+    assert choose(calls, sizes, ["head"]) == {"head/k": "head"}
+    assert choose(calls, sizes, []) == {}
+    with pytest.raises(ValueError, match="matches no submodule.*block_0"):
+        choose(calls, sizes, ["blocks/*"])
+
+
+def test_find_units_in_unmodified_models(mesh):
+    params, loss_fn, batch = foreign.einsum_lm()
+    units = osdp_jax.units.find(loss_fn, params, batch)
+    assert sorted(set(units.values())) == [f"block_{i}" for i in range(4)]
+    assert "embedding" not in units  # the tied table is used outside any block
+    assert set(osdp_jax.units.find(loss_fn, params, batch, ["block_[02]"]).values()) == {"block_0", "block_2"}
+    params, loss_fn, batch = foreign.vit()
+    assert sorted(set(osdp_jax.units.find(loss_fn, params, batch).values())) == [f"blocks/{i}" for i in range(4)]
+    with pytest.raises(TypeError, match="nnx Module"):
+        osdp_jax.units.mark({"w": np.ones(3)})
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_units_train_like_one_device(mesh, name):
+    params, loss_fn, batch = MODELS[name]()
+    opt = optax.adam(1e-3)
+    units = osdp_jax.units.find(loss_fn, params, batch)
+    layout = osdp_jax.Layout.fsdp(params, mesh, units=units, unit_remat="dots" if name == "nnx-vit" else "full")
+    assert len(set(units.values())) == 4 and layout.units
+    p, o = params, opt.init(params)
+    one = []
+    for _ in range(3):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        u, o = opt.update(g, o, p)
+        p = optax.apply_updates(p, u)
+        one.append(float(loss))
+    p = osdp_jax.shard(params, mesh, layout)
+    o = osdp_jax.init_opt_state(opt, p, layout, mesh)
+    step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh)
+    got = []
+    for _ in range(3):
+        p, o, loss = step(p, o, batch)
+        got.append(float(loss))
+    np.testing.assert_allclose(got, one, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["linen-einsum-tied", "nnx-vit"])
+def test_units_bound_the_gathered_weights(mesh, name):
+    """With units, the FSDP peak is the parameter, gradient and optimizer shards, plus the
+    activations, plus two units' gathered weights (one unit and its full-size gradient in the
+    backward pass), plus the weights gathered per step outside any unit and their gradients; and
+    doubling the depth adds only the new blocks' shards and saved inputs. Without units every
+    block's gathered weights stay alive."""
+    opt = optax.adam(1e-3)
+    peaks = {}
+    for depth in (4, 8):
+        params, loss_fn, batch = MODELS[name](depth) if name == "nnx-vit" else MODELS[name](layers=depth)
+        units = osdp_jax.units.find(loss_fn, params, batch)
+        infos = osdp_jax.describe(params)
+        total = sum(i.nbytes for i in infos)
+        unit = max(sum(i.nbytes for i in infos if units.get(i.path) == u) for u in set(units.values()))
+        outside = sum(i.nbytes for i in infos if i.path not in units)
+        ddp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.ddp(params, mesh))
+        fsdp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.fsdp(params, mesh))
+        with_units = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh,
+                                           osdp_jax.Layout.fsdp(params, mesh, units=units))
+        x = jax.tree.leaves(batch)[0]
+        saved_inputs = depth * (x.shape[0] // 8) * foreign_width(name, x) * 4  # each unit's input, f32
+        activations = max(ddp.temp_bytes - 2 * total, saved_inputs)  # DDP's temp less gradients and all-reduce
+        shards = with_units.argument_bytes + total / 8  # params + optimizer state, + gradient shards
+        bound = shards + activations + 2 * unit + 2 * outside
+        assert with_units.peak_bytes <= bound * 1.05, (with_units.peak_bytes / MIB, bound / MIB)
+        assert fsdp.peak_bytes > with_units.peak_bytes + (depth - 2) * unit
+        peaks[depth] = (with_units.peak_bytes, fsdp.peak_bytes, total)
+    (u4, f4, t4), (u8, f8, t8) = peaks[4], peaks[8]
+    added = (t8 - t4) * 4 / 8  # the new blocks' params, gradients and Adam moments, sharded 8 ways
+    assert u8 - u4 <= 1.25 * added, ((u8 - u4) / MIB, added / MIB)
+    assert f8 - f4 > 2 * added
+
+
+def units_of(params, loss_fn, batch, unit):
+    return [p for p, u in osdp_jax.units.find(loss_fn, params, batch).items() if u == unit]
+
+
+def foreign_width(name, x) -> int:
+    """Elements per example of a unit's input: tokens x width (lm), patches x width (vit)."""
+    return x.shape[1] * 64 if name == "linen-einsum-tied" else (x.shape[1] // 4) * (x.shape[2] // 4) * 64
+
+
+def test_plan_uses_units_where_only_they_fit(mesh):
+    """A budget under the FSDP peak without units: the plan gathers at units (each decided whole),
+    fits by XLA and is predicted within 10% of XLA's peak; the JSON keeps the units."""
+    params, loss_fn, batch = foreign.einsum_lm(layers=8)
+    opt = optax.adam(1e-3)
+    fsdp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.fsdp(params, mesh))
+    budget = int(0.75 * fsdp.peak_bytes)
+    plan = osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,))
+    assert plan.units and plan.xla_peak_bytes <= budget
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes
+    assert all(len(paths) == len(units_of(params, loss_fn, batch, unit)) for unit, paths in plan.units.items())
+    assert "units (gathered on each call" in plan.summary()
+    again = osdp_jax.Plan.from_json(plan.to_json())
+    assert again.units == plan.units and again.layout == plan.layout
+    with pytest.raises(osdp_jax.InfeasibleBudgetError):
+        osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,),
+                      units=())
