@@ -44,6 +44,9 @@ class PlanConfig:
     splits: tuple[int, ...] = (1, 2, 4, 8)  # operator-splitting slice counts to consider; [1] = off
     remat: tuple[str, ...] = ("full", "dots", "none")  # remat policies a layer stack's layers may take
     per_layer: bool = True  # decide each layer of a stack (segments); false: one choice per stack
+    units: tuple[str, ...] = ("auto",)  # units (osdp_jax.units): ["auto"] the default policy, [] none, or
+    #                                     fnmatch patterns of submodule paths, e.g. ["blocks_*"]
+    unit_remat: str = "full"  # the remat policy units run under
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
@@ -132,6 +135,11 @@ def _check(cfg: ExperimentConfig):
     bad = [r for r in cfg.plan.remat if r not in REMAT_POLICIES]
     if bad:
         _fail("plan.remat", f"unknown remat policy {bad[0]!r}; give one or more of {list(REMAT_POLICIES)}")
+    if "auto" in cfg.plan.units and len(cfg.plan.units) > 1:
+        _fail("plan.units", f"'auto' (the default policy) cannot be combined with patterns, got {list(cfg.plan.units)}; "
+                            f"give [\"auto\"], [] (no units) or patterns such as [\"blocks_*\"]")
+    if cfg.plan.unit_remat not in REMAT_POLICIES:
+        _fail("plan.unit_remat", f"unknown remat policy {cfg.plan.unit_remat!r}; give one of {list(REMAT_POLICIES)}")
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

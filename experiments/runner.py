@@ -117,7 +117,8 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes, optimizer=s.optimizer,
         hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
         verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
-        per_layer=p.per_layer if per_layer is None else per_layer)
+        per_layer=p.per_layer if per_layer is None else per_layer,
+        units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat)
 
 
 def addition_accuracy(s: Setup, params) -> float:

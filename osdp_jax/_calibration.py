@@ -73,11 +73,14 @@ def _batch_size(batch) -> int:
 
 
 _PROBES: dict = {}  # in-process probe cache: key (see XlaCalibrator._key) -> (StepProfile, seconds)
+OVERLAPS: dict = {}  # in-process: the pool overlap fitted per model on a compiled plan (``_planner``)
 
 
 def clear_probe_cache() -> None:
-    """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``)."""
+    """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``), and the
+    pool overlaps fitted on compiled plans."""
     _PROBES.clear()
+    OVERLAPS.clear()
 
 
 @dataclasses.dataclass

@@ -15,10 +15,15 @@ keeps alive together, and that differs by where a zero3 weight is gathered.
 
 *Gathered per step* (``_train.py`` gathers it before the loss runs): the gathered weight is kept
 for the backward pass, so XLA's schedule decides how many of them (and of their full-size
-gradients) are alive together; zeta, fitted on the all-zero3 probe, measures it. Replicated
-gradients (R bytes) live until the update, and at the peak either XLA's combined all-reduce buffer
-for them (rho R) or the gathered weights with their full-size gradients (zeta Z, Z the bytes
-gathered per step) is alive, not both. (A per-step kernel of a dense layer is gathered at the
+gradients) are alive together; zeta, fitted on the all-zero3 probe, measures it (zeta Z, Z the
+bytes gathered per step). Replicated gradients (R bytes) live until the update, with XLA's
+combined all-reduce buffer for them (rho R). How much of the two XLA keeps alive together at the
+peak depends on the model's schedule: ``max(rho R, zeta Z) + omega min(rho R, zeta Z)``, with the
+overlap omega between 0 (one pool or the other: the repository's models) and 1 (both: models
+written elsewhere, where a few weights gathered per step stay alive beside the all-reduce
+buffer; with omega = 0 their mixed plans were predicted up to 12.7% under XLA's peak). The probes
+are pure (all-replicate, all-zero3), where omega does not show; it is fitted on the first mixed
+plan the planner compiles (``_planner._refit_overlap``). (A per-step kernel of a dense layer is gathered at the
 layer, once its input is ready; other per-step weights are gathered before the loss, and
 XLA:CPU's scheduler starts those gathers at the top of the step.)
 
@@ -29,7 +34,7 @@ measured, temp falls linearly, by kappa bytes per parameter byte.
 
 Over the top-level (per-step) parameters T and the per-layer ones L::
 
-    temp(plan) = temp_R - 2 P_T + R_T + max(rho R_T, zeta Z_T) - kappa Z_L        rho = 1
+    temp(plan) = temp_R - 2 P_T + R_T + max(rho R_T, zeta Z_T) + omega min(rho R_T, zeta Z_T) - kappa Z_L
 
 temp_R is the all-replicate temp (P_T: all per-step parameter bytes; R_T, Z_T: per-step bytes
 replicated / zero3; Z_L: per-layer bytes zero3). Compiles of the real step calibrate it:
@@ -44,7 +49,8 @@ zeta p_i / k in the Z pool instead of zeta p_i (modelled). A per-layer kernel sa
 sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma fitted on a probe that splits every
 per-layer kernel at its largest k.
 
-The max makes the search a two-pool knapsack (``_search.solve_pools``), solved exactly.
+(rho = 1.) As ``(1 - omega) max(A, B) + omega (A + B)``, the search is a two-pool knapsack
+(``_search.solve_pools``), solved exactly.
 
 Time per step: compute + communication, not overlapped, each optionally scaled by factors fitted
 on timed runs of the probe steps on the mesh (``plan(measure_time=True)``; ``fit_time``)::
@@ -270,7 +276,8 @@ ZETA_ESTIMATE = 2.0  # uncalibrated: gathered weight + its full-size gradient
 def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 opt_bytes: np.ndarray, other_opt_bytes: int, topo: Topology | int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None,
-                in_loop: frozenset = frozenset(), units: frozenset = frozenset()) -> CostTables:
+                in_loop: frozenset = frozenset(), units: frozenset = frozenset(),
+                overlap: float = 0.0) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -288,6 +295,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
         gathered twice and reduce-scattered once per step, their memory is modelled as a
         per-layer parameter's (kappa), and their unit's forward pass runs again
         (``Calibration.unit_flops`` per byte, under the default "full" unit remat).
+      overlap: the share of the smaller pool alive beside the larger at the peak (0: their max;
+        1: their sum), fitted on a compiled mixed plan (``_planner``).
     """
     topo = Topology.flat(topo) if isinstance(topo, int) else topo
     n = topo.n
@@ -332,6 +341,9 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             time[i, s] = cal.comm_scale * min(flat, staged)
             if unit[i] and name != "replicate" and calibration is not None:
                 time[i, s] += cal.compute_scale * cal.unit_flops * p[i] / hw.flops
+    if overlap:  # max(A, B) + overlap * min(A, B) = (1 - overlap) max(A, B) + overlap (A + B)
+        mem += overlap * pools.sum(axis=2)
+        pools *= 1.0 - overlap
     # the search wants non-negative costs: move each row's smallest entry into the base
     shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
     mem -= shift[:, None]

@@ -93,6 +93,7 @@ class Plan:
     compile_seconds: float = 0.0  # of which compiling (and timing) probe and verification steps
     compiles: int = 0  # XLA compiles that planning ran
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
+    pool_overlap: float = 0.0  # the cost model's pool overlap omega (_cost), fitted on a compiled plan
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 
     # --- pytree views --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from ._calibration import Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
+from ._calibration import OVERLAPS, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -126,11 +126,18 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
                   if o.loss_fn is not None else uncalibrated(batches))
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
-    tables = {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
-                                             other_opt, problem.topo, hw, _batch_bytes(batches[b]),
-                                             calibrated.calibrations[b], problem.in_loop, frozenset(problem.units)),
-                        calibrated.remat.get(b), policies, o.per_layer)
-              for b in batches}
+
+    def tables_for(overlap: float) -> dict:
+        return {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
+                                               other_opt, problem.topo, hw, _batch_bytes(batches[b]),
+                                               calibrated.calibrations[b], problem.in_loop,
+                                               frozenset(problem.units), overlap),
+                          calibrated.remat.get(b), policies, o.per_layer)
+                for b in batches}
+
+    overlap_key = _overlap_key(calibrator, problem, batches)
+    fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
+    tables = tables_for(fitted or 0.0)
     best, min_needed = _search(tables, budget)
     seconds = time.perf_counter() - t0
     known = _known(problem, calibrated.probes, tables)  # compiled layouts, with their XLA peaks
@@ -140,17 +147,84 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         raise InfeasibleBudgetError(_infeasible_message(budget, least, strategies, axes), math.ceil(least))
 
     verified = _Compiles()
+    compiled: dict = {}  # the candidate of the last plan built with its XLA peak
 
-    def build(candidate, xla_peak=None):
-        compiled = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds", 0.0) + verified.seconds
+    def build(candidate, xla_peak=None, overlap=fitted or 0.0):
+        if xla_peak is not None:
+            compiled["candidate"] = candidate
+        counts = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds", 0.0) + verified.seconds
         return _build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
-                      (time.perf_counter() - start, *compiled))
+                      (time.perf_counter() - start, *counts), overlap)
 
     if not verifying:
         return build(best)
-    return verify(best, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables), build,
-                  verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
-                           .peak_bytes), known)
+    peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
+                       .peak_bytes)
+
+    def run(tables, first):
+        return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables), build,
+                      peak_of, _known(problem, calibrated.probes, tables))
+
+    plan = run(tables, best)
+    if fitted is not None:  # fitted on an earlier plan of this model: the prediction stands
+        return plan
+    overlap = _refit_overlap(compiled["candidate"], plan.xla_peak_bytes)
+    if overlap is None:
+        return plan
+    if overlap_key is not None:
+        OVERLAPS[overlap_key] = overlap
+    # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
+    # `overlap` of the smaller pool beside the larger: search again with that, and keep the faster
+    # of the two plans (both fit by XLA), each predicted with the fitted overlap
+    log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
+             overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+    tables = tables_for(overlap)
+    first = (_reevaluate(compiled["candidate"], tables), plan.xla_peak_bytes, overlap)
+    second = _search(tables, budget)[0]
+    if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
+        return build(*first)
+    other = verify(second, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
+                   functools.partial(build, overlap=overlap), peak_of, _known(problem, calibrated.probes, tables))
+    return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
+
+
+def _overlap_key(calibrator, problem: Problem, batches: dict):
+    """What a fitted pool overlap is kept under: the all-replicate probe's key (the loss function,
+    optimizer, parameters, batch shapes and mesh) with the units; None for recorded probes."""
+    key = getattr(calibrator, "_key", None)
+    if key is None or not getattr(calibrator, "cache", False):
+        return None
+    probe = key(problem.layout(), batches[min(batches)], False)
+    return None if probe is None else (probe, tuple(sorted(problem.units.items())))
+
+
+def _pool_sums(candidate) -> tuple[float, float]:
+    """The candidate's two transient pools (replicated-gradient buffer, per-step gathered weights)."""
+    _, _, sol, items, _, _ = candidate
+    idx = np.arange(len(sol.choices))
+    a, b = items.pools[idx, sol.choices].sum(axis=0)[:2]
+    return float(a), float(b)
+
+
+def _refit_overlap(candidate, xla_peak: float) -> float | None:
+    """The pool overlap omega (``_cost``) that makes the compiled ``candidate``'s prediction XLA's
+    peak; None when its smaller pool is under 2% of the peak (a plan nearly all replicated or all
+    sharded, where omega does not show) or omega stays within 0.05 of 0."""
+    a, b = _pool_sums(candidate)
+    if min(a, b) < 0.02 * xla_peak:
+        return None
+    predicted = candidate[3].base_mem + candidate[2].mem  # with omega = 0: max(a, b)
+    overlap = float(np.clip((xla_peak - predicted) / min(a, b), 0.0, 1.0))
+    return overlap if overlap > 0.05 else None
+
+
+def _reevaluate(candidate, tables_for: dict):
+    """``candidate``'s choices costed on other tables (same items, another overlap)."""
+    _, size, sol, _, _, _ = candidate
+    t = tables_for[size]
+    idx = np.arange(len(sol.choices))
+    mem = float(t.mem[idx, sol.choices].sum() + t.pools[idx, sol.choices].sum(axis=0).max())
+    return _candidate(size, Solution(sol.choices, float(t.time[idx, sol.choices].sum()), mem), t)
 
 
 def _policies(remat) -> tuple[str, ...]:
@@ -264,7 +338,7 @@ class _Compiles:
 
 
 def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None,
-           timing=(0.0, 0, 0.0)) -> Plan:
+           timing=(0.0, 0, 0.0), overlap: float = 0.0) -> Plan:
     _, size, sol, items, step_s, sps = candidate
     whole = param_columns(items, sol.choices)
     segs = segments(problem, items, sol.choices)
@@ -291,7 +365,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                 predicted_collective_seconds=collectives if size is not None else None,
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
-                compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat)
+                compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat, pool_overlap=overlap)
 
 
 def _infeasible_message(budget, min_needed, strategies, axes) -> str:

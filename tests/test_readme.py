@@ -25,3 +25,10 @@ def test_nnx_example_trains_and_its_orbax_checkpoint_restores(tmp_path):
     import jax
     for a, b in zip(jax.tree.leaves(scope["restored"]), jax.tree.leaves(saved)):
         assert (jnp.asarray(a) == jnp.asarray(b)).all()
+
+
+def test_units_example_trains():
+    scope: dict = {}
+    exec(compile(_block("osdp_jax.units.find(loss_fn"), "README units example", "exec"), scope)
+    assert sorted(set(scope["units"].values())) == [f"block_{i}" for i in range(6)]
+    assert scope["layout"].units and float(scope["loss"]) > 0

@@ -1,13 +1,13 @@
 """Units (osdp_jax.units): submodules of unmodified models gathered on entry and again in the
-backward pass. The models (tests/foreign.py) make no osdp-jax call, except the plain-JAX one's
+backward pass. The models (experiments/benchmarks/foreign.py) make no osdp-jax call, except the plain-JAX one's
 decorator and the nnx one's ``units.mark``."""
 import jax
 import numpy as np
 import optax
 import pytest
 
-import foreign
 import osdp_jax
+from experiments.benchmarks import foreign
 from osdp_jax._unit_policy import choose
 
 MODELS = {"linen-einsum-tied": foreign.einsum_lm, "nnx-vit": foreign.vit, "plain-jax": foreign.plain_mlp}
@@ -124,3 +124,20 @@ def test_plan_uses_units_where_only_they_fit(mesh):
     with pytest.raises(osdp_jax.InfeasibleBudgetError):
         osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,),
                       units=())
+
+
+def test_pool_overlap_fitted_on_a_compiled_plan_predicts_the_next(mesh):
+    """On a mixed plan of a model written elsewhere, XLA keeps the replicated gradients' all-reduce
+    buffer and the weights gathered per step alive together (overlap 1, not the max of the two):
+    fitted on the first compiled plan, it predicts the next budget's plan within 5%."""
+    osdp_jax.planning.clear_probe_cache()
+    params, loss_fn, batch = foreign.einsum_lm(layers=8, d=128, batch=32)
+    opt = optax.adam(1e-3)
+    ddp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.ddp(params, mesh)).peak_bytes
+    fsdp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.fsdp(params, mesh)).peak_bytes
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=(), splits=(1,))
+    first = osdp_jax.plan(params, mesh, budget=int(fsdp + 0.2 * (ddp - fsdp)), **kw)
+    assert first.pool_overlap > 0.5 and first.xla_peak_bytes <= first.budget_bytes
+    second = osdp_jax.plan(params, mesh, budget=int(fsdp + 0.6 * (ddp - fsdp)), **kw)
+    assert second.pool_overlap == first.pool_overlap and second.xla_peak_bytes <= second.budget_bytes
+    assert abs(second.predicted_peak_bytes - second.xla_peak_bytes) <= 0.05 * second.xla_peak_bytes

@@ -1,7 +1,10 @@
-"""Small models written the way users write them, with no osdp-jax call inside: an einsum
-transformer with tied embeddings and an unrolled loop of blocks (linen), a ViT-style encoder run
-as a Python loop of blocks (nnx), and a plain-JAX MLP of decorated blocks. Used by test_unit_calls
-and experiments/benchmarks/foreign_models.py."""
+"""Models written the way users write them, not through the repository's GPT-2/OPT/BERT code and
+with no osdp-jax call inside: an einsum transformer with a tied embedding, grouped-query
+attention, a gated MLP and an unrolled loop of blocks (linen); a ResNet with GroupNorm (linen
+convolutions); a ViT-style encoder run as a Python loop of blocks (nnx, marked with
+``osdp_jax.units.mark``); and a plain-JAX MLP of ``@osdp_jax.units.unit`` blocks. Each maker
+returns ``(params, loss_fn, batch)``. Used by ``tests/test_unit_calls.py`` and
+``experiments/benchmarks/foreign_models.py``."""
 from __future__ import annotations
 
 import jax
@@ -74,6 +77,50 @@ def einsum_lm(layers=4, d=64, vocab=256, batch=16, seq=32):
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
     data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    params = model.init(jax.random.key(0), data["x"])["params"]
+
+    def loss_fn(p, b):
+        logits = model.apply({"params": p}, b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return params, loss_fn, data
+
+
+class ResBlock(nn.Module):
+    features: int
+    stride: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Conv(self.features, (3, 3), (self.stride, self.stride), use_bias=False)(x)
+        y = nn.relu(nn.GroupNorm(num_groups=8)(y))
+        y = nn.GroupNorm(num_groups=8)(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+        if x.shape[-1] != self.features or self.stride != 1:
+            x = nn.Conv(self.features, (1, 1), (self.stride, self.stride), use_bias=False, name="proj")(x)
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    """Stages of residual blocks (auto-named ``ResBlock_0`` ...), global pooling, a classifier."""
+
+    stages: tuple = (2, 2, 2)
+    width: int = 32
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, images):
+        x = nn.relu(nn.Conv(self.width, (3, 3), use_bias=False)(images))
+        for i, blocks in enumerate(self.stages):
+            for j in range(blocks):
+                x = ResBlock(self.width * 2 ** i, 2 if i and not j else 1)(x)
+        return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
+
+
+def resnet(stages=(2, 2, 2), width=32, batch=16, size=16):
+    """``(params, loss_fn, batch)`` of :class:`ResNet` on ``size`` x ``size`` RGB images."""
+    model = ResNet(tuple(stages), width)
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)}
     params = model.init(jax.random.key(0), data["x"])["params"]
 
     def loss_fn(p, b):
