@@ -126,7 +126,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
         dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
         sizes = {i.path: i.nbytes for i in infos if i.path not in loop_found}
-        unit_of = choose(found_units, sizes, units)
+        unit_of = choose(found_units, sizes, units, total=sum(i.nbytes for i in infos), stacks=bool(stacks))
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))

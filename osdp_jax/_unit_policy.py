@@ -12,8 +12,9 @@ the longest path prefix their parameters share), with the paths of the parameter
   1. every nnx module marked and every function decorated by the user;
   2. the *layer list*: linen submodules whose name ends in a number (``block_3``, ``layers_0``,
      ``Dense_1``) and that have a sibling of the same name but for the number;
-  3. any other linen submodule holding at least ``share`` (1/8) of the parameter bytes, with no
-     smaller such submodule inside it;
+  3. in a model without layer stacks (``osdp_jax.layers.scan``), any other linen submodule
+     holding at least ``share`` (1/8) of the parameter bytes, with no smaller such submodule
+     inside it;
 
   and of nested choices, the outermost.
 
@@ -59,8 +60,12 @@ def _layer_list(names) -> set[str]:
     return {n for members in groups.values() if len(members) >= 2 for n in members}
 
 
-def choose(calls, sizes: dict, patterns=None, share: float = DEFAULT_SHARE) -> dict[str, str]:
-    """Parameter path -> unit name (module docstring); ``sizes`` maps paths to bytes."""
+def choose(calls, sizes: dict, patterns=None, share: float = DEFAULT_SHARE, total: float | None = None,
+           stacks: bool = False) -> dict[str, str]:
+    """Parameter path -> unit name (module docstring); ``sizes`` maps the paths that may be in a
+    unit to bytes, ``total`` is the model's bytes (default: their sum). A model with layer stacks
+    (``stacks``) gets no share-rule units: it is planned per layer already, and its top-level
+    weights are gathered at their dense layer."""
     found = sites(calls)
     if patterns is not None:
         patterns = [patterns] if isinstance(patterns, str) else list(patterns)
@@ -75,9 +80,9 @@ def choose(calls, sizes: dict, patterns=None, share: float = DEFAULT_SHARE) -> d
         linen = [n for n, (kind, _) in found.items() if kind == "linen"]
         chosen |= _layer_list(linen)
         taken = frozenset().union(*(found[n][1] for n in chosen)) if chosen else frozenset()
-        total = sum(sizes.values()) or 1
-        big = [n for n in linen if n not in chosen and not (found[n][1] & taken)
-               and sum(sizes.get(p, 0) for p in found[n][1]) >= share * total]
+        total = total or sum(sizes.values()) or 1
+        big = [] if stacks else [n for n in linen if n not in chosen and not (found[n][1] & taken)
+                                 and sum(sizes.get(p, 0) for p in found[n][1]) >= share * total]
         chosen |= {n for n in big if not any(m != n and found[m][1] < found[n][1] for m in big)}
     # the outermost of nested choices
     outer = {n for n in chosen if not any(m != n and found[n][1] < found[m][1] for m in chosen)}

@@ -14,8 +14,9 @@ unit's weights per step. Models need no change:
 - **plain JAX**: decorate a function of ``(params, *inputs)`` with :func:`unit`.
 
 Which submodules are units (``osdp_jax._unit_policy``): by default the model's layer list (linen
-submodules named ``<name>_<number>`` with a sibling of the same name, nnx modules in a list), and
-any other submodule holding at least 1/8 of the parameter bytes; the outermost of nested ones.
+submodules named ``<name>_<number>`` with a sibling of the same name, nnx modules in a list), and,
+in a model without layer stacks, any other submodule holding at least 1/8 of the parameter
+bytes; the outermost of nested ones.
 ``osdp_jax.plan(..., units=["blocks_*"])`` names them by ``fnmatch`` patterns instead, and
 ``units=()`` turns them off. :func:`find` shows what the policy picks.
 
@@ -116,5 +117,7 @@ def find(loss_fn, params, batch, units=None, *, share: float = DEFAULT_SHARE) ->
     """Parameter path -> unit, as ``osdp_jax.plan`` would choose them for ``loss_fn`` (traced once,
     abstractly; ``params`` and ``batch`` may be abstract). ``units``: patterns, as in
     :func:`mark`; None: the default policy."""
-    sizes = {i.path: i.nbytes for i in describe(params)}
-    return choose(discover(loss_fn, params, batch).units, sizes, units, share)
+    found = discover(loss_fn, params, batch)
+    infos = describe(params)
+    sizes = {i.path: i.nbytes for i in infos if i.path not in found.in_loop}  # stacks: per layer
+    return choose(found.units, sizes, units, share, sum(i.nbytes for i in infos), bool(found.stacks))

@@ -54,7 +54,7 @@ def main():
         lines += [f"## {name}", "",
                   f"{total / MIB:.2f} MiB of parameters; units found: {len(set(units.values()))} "
                   f"({', '.join(sorted(set(units.values()))[:3])}, ...)", "",
-                  f"| layout | XLA peak |", "|---|---|",
+                  "| layout | XLA peak |", "|---|---|",
                   f"| DDP | {ddp / MIB:.2f} MiB |", f"| FSDP, no units | {fsdp / MIB:.2f} MiB |",
                   f"| FSDP, units | {with_units / MIB:.2f} MiB |", "",
                   "| budget | plan | units used | pool overlap | predicted peak | XLA peak | error | predicted samples/s | planning |",
