@@ -201,3 +201,25 @@ def test_nnx_python_loop_vit_mid_budget_fits_and_minimum_is_honest(mesh):
     with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
         osdp_jax.plan(params, mesh, budget=fsdp - 1, **kw)
     assert info.value.min_bytes <= fsdp
+
+
+def test_training_reuses_the_verification_compile(mesh):
+    """The planner's verification compile is the train step's: make_train_step's first call runs
+    that executable (no compile), and it computes exactly what a fresh compile computes."""
+    from experiments.benchmarks import foreign
+    from osdp_jax.runtime.step import clear_compiled
+    params, loss_fn, batch = foreign.plain_mlp()
+    opt = optax.adam(1e-3)
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+
+    def first_loss():
+        p = osdp_jax.shard(params, mesh, plan)
+        o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+        step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+        _, _, loss = step(p, o, jax.device_put(batch, osdp_jax.batch_sharding(mesh, plan)))
+        return float(loss), step.reused
+
+    reused_loss, reused = first_loss()
+    clear_compiled()
+    fresh_loss, fresh = first_loss()
+    assert reused and not fresh and reused_loss == fresh_loss

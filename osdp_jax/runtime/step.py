@@ -17,6 +17,7 @@ optimizer state and batches is ``runtime.place``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import NamedTuple
 
@@ -287,15 +288,64 @@ def jit_step(step):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+# --- compiled steps kept for reuse ------------------------------------------------------------
+# The planner's verification compile is the train step's compile: ``compile_counted`` keeps the
+# last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
+# the step options and the inputs' shapes, dtypes and shardings, and ``make_train_step`` runs one
+# of them instead of compiling the same step again.
+_COMPILED: "collections.OrderedDict" = collections.OrderedDict()
+_KEEP = 4  # compiled steps kept (each holds its executable)
+
+
+def _sharding_key(sharding, ndim: int):
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        return sharding.mesh, spec
+    return None if sharding is None else repr(sharding)
+
+
+def signature(args) -> tuple:
+    """The inputs as a compiled step sees them: tree structure, and shape, dtype and sharding of
+    every leaf (arrays or ``ShapeDtypeStruct``s)."""
+    leaves, treedef = jax.tree.flatten(args)
+    return str(treedef), tuple((tuple(x.shape), str(x.dtype), _sharding_key(getattr(x, "sharding", None), len(x.shape)))
+                               for x in leaves)
+
+
+def _reuse_key(loss_fn, optimizer, mesh, layout, options, args):
+    key = (loss_fn, optimizer, mesh, as_layout(layout), options, signature(args))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable loss function or optimizer: nothing is kept
+        return None
+    return key
+
+
+def clear_compiled() -> None:
+    """Forget the compiled steps kept for reuse."""
+    _COMPILED.clear()
+
+
 class TrainStep:
     """A jitted train step that refuses donated (deleted) arrays with a clear error.
 
     Calling a jitted function with an array that an earlier call donated fails deep inside jax;
-    this checks the arguments first. ``lower`` is the jitted function's.
+    this checks the arguments first. ``lower`` is the jitted function's. With ``reuse`` (the
+    loss function, optimizer, mesh, layout and options it was made from), a call whose inputs
+    match a step compiled earlier in this process (the planner's verification compile) runs that
+    executable instead of compiling again; ``reused`` says whether the last call did.
     """
 
-    def __init__(self, jitted, what: str = "train step", batch_size: int | None = None, batch_arg: int = 2):
+    def __init__(self, jitted, what: str = "train step", batch_size: int | None = None, batch_arg: int = 2,
+                 reuse: tuple | None = None):
         self._jitted, self._what, self._batch_size, self._batch_arg = jitted, what, batch_size, batch_arg
+        self._reuse, self.reused = reuse, False
+
+    def _compiled_for(self, args):
+        if self._reuse is None:
+            return None
+        key = _reuse_key(*self._reuse, args)
+        return _COMPILED.get(key) if key is not None else None
 
     def _check_batch_size(self, args):
         if self._batch_size is None or len(args) <= self._batch_arg:
@@ -317,7 +367,9 @@ class TrainStep:
                     f"{name} passed to the {self._what} were donated to an earlier call (their buffers are "
                     f"deleted): use the {name} that call returned, e.g. params, opt_state, loss = "
                     f"step(params, opt_state, batch)")
-        return self._jitted(*args)
+        compiled = self._compiled_for(args)
+        self.reused = compiled is not None
+        return compiled(*args) if compiled is not None else self._jitted(*args)
 
     def lower(self, *args):
         self._check_batch_size(args)
@@ -364,7 +416,8 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
     """
     options = StepOptions(has_aux, aux, rng, state)
     step = build_step(loss_fn, optimizer, mesh, plan, options)
-    return TrainStep(jit_step(step), "train step", None if any_batch_size else plan.batch_size)
+    return TrainStep(jit_step(step), "train step", None if any_batch_size else plan.batch_size,
+                     reuse=(loss_fn, optimizer, mesh, plan, options))
 
 
 def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, state: bool = False):
@@ -422,8 +475,16 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options):
     the loop iterations XLA's cost analysis does not count (``osdp_jax.xla.loop_flops``), from the
     same trace."""
     args = abstract_args(optimizer, params, batch, mesh, plan)
-    traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, StepOptions(**options))).trace(*args)
-    return traced.lower().compile(), loop_flops(traced.jaxpr)
+    step_options = StepOptions(**options)
+    traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
+    compiled = traced.lower().compile()
+    key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
+    if key is not None:
+        _COMPILED[key] = compiled
+        _COMPILED.move_to_end(key)
+        while len(_COMPILED) > _KEEP:
+            _COMPILED.popitem(last=False)
+    return compiled, loop_flops(traced.jaxpr)
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, plan, **options) -> StepProfile:
