@@ -29,7 +29,7 @@ from ._stack import REMAT_POLICIES, check_remat
 from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
-from .runtime.step import profile_step
+from .runtime.step import compile_count, profile_step
 
 log = logging.getLogger("osdp_jax")
 
@@ -321,18 +321,19 @@ def _least_memory(tables_for: dict):
 
 
 class _Compiles:
-    """Counts and times the verification compiles of one plan() call."""
+    """Counts and times the verification compiles of one plan() call (a step found compiled
+    already, ``runtime.step.compile_count``, is not a compile)."""
 
     def __init__(self):
         self.count, self.seconds = 0, 0.0
 
     def __call__(self, fn):
         def timed(*args):
-            t0 = time.perf_counter()
+            t0, n0 = time.perf_counter(), compile_count()
             try:
                 return fn(*args)
             finally:
-                self.count += 1
+                self.count += compile_count() - n0
                 self.seconds += time.perf_counter() - t0
         return timed
 

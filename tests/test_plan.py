@@ -25,9 +25,10 @@ def test_generous_budget_replicates_everything(mesh, setup):
     params, loss_fn, batch, opt = setup
     plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt)
     assert set(jax.tree.leaves(plan.strategies)) == {"replicate"}
-    # two probes (all replicated, all zero3) and the chosen plan's verification: three compiles
-    assert plan.compiles == 3 and 0 < plan.compile_seconds < plan.planning_seconds
-    assert "planning: " in plan.summary() and "3 compiles" in plan.summary()
+    # two probes (all replicated, all zero3); the chosen plan is the all-replicate probe's layout,
+    # whose compiled step the verification takes as it is: two compiles
+    assert plan.compiles == 2 and 0 < plan.compile_seconds < plan.planning_seconds
+    assert "planning: " in plan.summary() and "2 compiles" in plan.summary()
     assert all(s == P() for s in jax.tree.leaves(plan.specs, is_leaf=lambda x: isinstance(x, P)))
     check_prediction(plan)
 

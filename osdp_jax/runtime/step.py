@@ -291,10 +291,11 @@ def jit_step(step):
 # --- compiled steps kept for reuse ------------------------------------------------------------
 # The planner's verification compile is the train step's compile: ``compile_counted`` keeps the
 # last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
-# the step options and the inputs' shapes, dtypes and shardings, and ``make_train_step`` runs one
-# of them instead of compiling the same step again.
+# the step options and the inputs' shapes, dtypes and shardings; ``make_train_step`` runs one of
+# them instead of compiling the same step again, and ``compile_counted`` returns one it already
+# has (a plan whose layout a probe or an earlier plan compiled).
 _COMPILED: "collections.OrderedDict" = collections.OrderedDict()
-_KEEP = 4  # compiled steps kept (each holds its executable)
+_KEEP = 8  # compiled steps kept (each holds its executable)
 
 
 def _sharding_key(sharding, ndim: int):
@@ -319,6 +320,15 @@ def _reuse_key(loss_fn, optimizer, mesh, layout, options, args):
     except TypeError:  # an unhashable loss function or optimizer: nothing is kept
         return None
     return key
+
+
+_COMPILES = 0  # steps XLA compiled in this process through compile_counted
+
+
+def compile_count() -> int:
+    """How many steps ``compile_step``/``profile_step`` (and the planner) have compiled in this
+    process; a step found among the kept ones is not counted."""
+    return _COMPILES
 
 
 def clear_compiled() -> None:
@@ -477,8 +487,12 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options):
     args = abstract_args(optimizer, params, batch, mesh, plan)
     step_options = StepOptions(**options)
     traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
-    compiled = traced.lower().compile()
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
+    compiled = _COMPILED.get(key) if key is not None else None
+    if compiled is None:
+        compiled = traced.lower().compile()
+        global _COMPILES
+        _COMPILES += 1
     if key is not None:
         _COMPILED[key] = compiled
         _COMPILED.move_to_end(key)
