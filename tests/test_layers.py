@@ -248,10 +248,9 @@ def test_remat_is_searched_per_layer_and_recorded_in_the_plan():
 
 def test_remat_memory_predicted_against_xla_within_10_percent():
     """Each remat policy's plan, and one that mixes them, predicted against XLA's compiled peak at
-    batch 64 (the remat terms are fitted at 16 and 64 on the step with the stack zero3). Within
-    10%, except the all-replicated "none" plan: its extra activations are charged as measured
-    with the stack sharded, about 20% more than XLA needs with it replicated (the model is then
-    high by 10.1% here: the safe direction, asserted as such, and a known miss of the target)."""
+    batch 64 (the remat terms are fitted at 16 and 64 on the step with the stack zero3): within
+    10% (measured: full 0.0%, dots +3.1%, none +1.2%; before "none" stopped saving the gathered
+    weights, see _stack.save_all_but_gathered, its plan was 10.1% high)."""
     _, params, loss_fn, batch = toy.stack_setup(n_layer=4)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -264,7 +263,7 @@ def test_remat_memory_predicted_against_xla_within_10_percent():
         compiles.append(p.compiles)
         assert p.batch_size == 64 and {s[4] for v in p.segments.values() for s in v} == {policy}
         error = (p.predicted_peak_bytes - p.xla_peak_bytes) / p.xla_peak_bytes
-        assert (0 <= error <= 0.12) if policy == "none" else abs(error) <= 0.10, (policy, error, p.summary())
+        assert abs(error) <= 0.10, (policy, error, p.summary())
         peaks[policy] = p.xla_peak_bytes
     assert peaks["full"] < peaks["dots"] < peaks["none"]
     mixed = plan(int((peaks["full"] + peaks["none"]) / 2), osdp_jax.layers.REMAT_POLICIES)

@@ -40,18 +40,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .._stack import GATHERED_NAME, check_remat, remat_policy
+from .._stack import GATHERED_NAME, remat_policy
 from .._unit_policy import common_prefix
 from .collectives import gather
 from .context import ACTIVE, SplitKernel
-
-
-def _save_all_but_gathered(prim, *_, **params) -> bool:
-    """Everything but the weights a unit gathered (the ``osdp_gathered`` names and the gathers
-    themselves, ``custom_vjp`` calls, whose outputs the name only copies)."""
-    if prim.name == "name":
-        return params.get("name") != GATHERED_NAME
-    return "custom_vjp" not in prim.name
 
 
 def policy(remat: str):
@@ -61,7 +53,7 @@ def policy(remat: str):
     sequences of 64 tokens per device: every block's element-wise intermediates are kept, since
     XLA cannot fuse them into the backward pass across the unit's conditional: temp 40.6 MiB,
     against 15.8 with ``"dots"`` and 9.9 with ``"full"``)."""
-    return _save_all_but_gathered if check_remat(remat) == "none" else remat_policy(remat)
+    return remat_policy(remat)
 
 
 def _is_array(x) -> bool:
