@@ -76,7 +76,11 @@ def einsum_lm(layers=4, d=64, vocab=256, batch=16, seq=32):
     model = EinsumLM(vocab, d, layers)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
-    data = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    return _linen_classifier(model, {"x": tokens[:, :-1], "y": tokens[:, 1:]})
+
+
+def _linen_classifier(model, data):
+    """``(params, loss_fn, data)`` of a linen model whose outputs are logits for ``data["y"]``."""
     params = model.init(jax.random.key(0), data["x"])["params"]
 
     def loss_fn(p, b):
@@ -119,14 +123,8 @@ def resnet(stages=(2, 2, 2), width=32, batch=16, size=16):
     """``(params, loss_fn, batch)`` of :class:`ResNet` on ``size`` x ``size`` RGB images."""
     model = ResNet(tuple(stages), width)
     rng = np.random.default_rng(0)
-    data = {"x": jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32),
-            "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)}
-    params = model.init(jax.random.key(0), data["x"])["params"]
-
-    def loss_fn(p, b):
-        logits = model.apply({"params": p}, b["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
-    return params, loss_fn, data
+    return _linen_classifier(model, {"x": jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32),
+                                     "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)})
 
 
 class VitBlock(nnx.Module):
