@@ -10,7 +10,8 @@ import osdp_jax
 from experiments.benchmarks import foreign
 from osdp_jax._unit_policy import choose
 
-MODELS = {"linen-einsum-tied": foreign.einsum_lm, "nnx-vit": foreign.vit, "plain-jax": foreign.plain_mlp}
+MODELS = {"linen-einsum-tied": foreign.einsum_lm, "linen-setup": foreign.setup_mlp, "nnx-vit": foreign.vit,
+          "plain-jax": foreign.plain_mlp}
 MIB = 2**20
 
 

@@ -127,6 +127,41 @@ def resnet(stages=(2, 2, 2), width=32, batch=16, size=16):
                                      "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)})
 
 
+class SetupBlock(nn.Module):
+    """A block whose layers are made in ``setup`` (not ``@nn.compact``)."""
+
+    def setup(self):
+        self.fc1, self.fc2 = nn.Dense(64), nn.Dense(32)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class SetupNet(nn.Module):
+    layers: int = 4
+
+    def setup(self):
+        self.blocks = [SetupBlock() for _ in range(self.layers)]  # named blocks_0, blocks_1, ...
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def setup_mlp(layers=4, batch=16):
+    """``(params, loss_fn, batch)`` of :class:`SetupNet`, a regression on random data."""
+    net = SetupNet(layers)
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, 32)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(batch, 32)), jnp.float32)}
+    params = net.init(jax.random.key(0), data["x"])["params"]
+
+    def loss_fn(p, b):
+        return ((net.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
+    return params, loss_fn, data
+
+
 class VitBlock(nnx.Module):
     def __init__(self, d, rngs):
         self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)

@@ -75,7 +75,8 @@ def _linen_unit(module, method: str, args, kwargs):
     method of a submodule holding only parameters is recorded while discovering, and runs as its
     unit when the plan names the module's path."""
     ctx = ACTIVE.get()
-    if ctx is None or ctx.in_unit or module.scope is None or not module.scope.path:
+    if (ctx is None or ctx.in_unit or module.scope is None or not module.scope.path
+            or method == "setup" or (method.startswith("_") and method != "__call__")):
         return _NOT_A_UNIT
     name = "/".join(module.scope.path)
     if ctx.recording:
