@@ -161,11 +161,11 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
                        .peak_bytes)
 
-    def run(tables, first):
-        return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables), build,
-                      peak_of, _known(problem, calibrated.probes, tables))
+    def run(tables, first, known, overlap):
+        return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
+                      functools.partial(build, overlap=overlap), peak_of, known)
 
-    plan = run(tables, best)
+    plan = run(tables, best, known, fitted or 0.0)
     if fitted is not None:  # fitted on an earlier plan of this model: the prediction stands
         return plan
     overlap = _refit_overlap(compiled["candidate"], plan.xla_peak_bytes)
@@ -179,12 +179,12 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
              overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
     tables = tables_for(overlap)
-    first = (_reevaluate(compiled["candidate"], tables), plan.xla_peak_bytes, overlap)
+    _, size, sol, _, _, _ = compiled["candidate"]
+    first = (_costed(size, sol.choices, tables[size]), plan.xla_peak_bytes, overlap)
     second = _search(tables, budget)[0]
     if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
         return build(*first)
-    other = verify(second, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
-                   functools.partial(build, overlap=overlap), peak_of, _known(problem, calibrated.probes, tables))
+    other = run(tables, second, _known(problem, calibrated.probes, tables), overlap)
     return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
 
 
@@ -216,15 +216,6 @@ def _refit_overlap(candidate, xla_peak: float) -> float | None:
     predicted = candidate[3].base_mem + candidate[2].mem  # with omega = 0: max(a, b)
     overlap = float(np.clip((xla_peak - predicted) / min(a, b), 0.0, 1.0))
     return overlap if overlap > 0.05 else None
-
-
-def _reevaluate(candidate, tables_for: dict):
-    """``candidate``'s choices costed on other tables (same items, another overlap)."""
-    _, size, sol, _, _, _ = candidate
-    t = tables_for[size]
-    idx = np.arange(len(sol.choices))
-    mem = float(t.mem[idx, sol.choices].sum() + t.pools[idx, sol.choices].sum(axis=0).max())
-    return _candidate(size, Solution(sol.choices, float(t.time[idx, sol.choices].sum()), mem), t)
 
 
 def _policies(remat) -> tuple[str, ...]:
@@ -306,11 +297,15 @@ def _known(problem: Problem, probes: dict, tables_for: dict) -> list:
         choices = expand_choices(t, choices, kind.remat)
         if choices is None:
             continue
-        idx = np.arange(len(choices))
-        mem = float(t.mem[idx, choices].sum() + t.pools[idx, choices].sum(axis=0).max())
-        sol = Solution(choices, float(t.time[idx, choices].sum()), mem)
-        known.append((_candidate(size, sol, t), prof.peak_bytes))
+        known.append((_costed(size, choices, t), prof.peak_bytes))
     return known
+
+
+def _costed(size, choices, t):
+    """The candidate that takes ``choices`` (one column per item) on the items ``t``."""
+    idx = np.arange(len(choices))
+    mem = float(t.mem[idx, choices].sum() + t.pools[idx, choices].sum(axis=0).max())
+    return _candidate(size, Solution(choices, float(t.time[idx, choices].sum()), mem), t)
 
 
 def _least_memory(tables_for: dict):

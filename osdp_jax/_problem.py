@@ -21,7 +21,7 @@ from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
 from ._stack import check_remat
 from ._strategies import axes_size, sharded_dim, spec_for
-from ._unit_policy import choose
+from ._unit_policy import from_found
 
 log = logging.getLogger("osdp_jax")
 
@@ -120,13 +120,13 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         shapes = {i.path: i.shape for i in infos}
-        loop_found, dense_found, found_stacks, found_units = find(loss_fn, abstract, batch)
+        found = find(loss_fn, abstract, batch)
+        loop_found, dense_found, found_stacks = found.in_loop, found.dense, found.stacks
         in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
         stacks = _stacks(found_stacks, in_loop)
         splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
         dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
-        sizes = {i.path: i.nbytes for i in infos if i.path not in loop_found}
-        unit_of = choose(found_units, sizes, units, total=sum(i.nbytes for i in infos), stacks=bool(stacks))
+        unit_of = from_found(found, infos, units)
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))

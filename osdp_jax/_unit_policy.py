@@ -91,3 +91,11 @@ def choose(calls, sizes: dict, patterns=None, share: float = DEFAULT_SHARE, tota
         for p in found[n][1]:
             owner.setdefault(p, []).append(n)
     return {p: names[0] for p, names in owner.items() if len(names) == 1 and p in sizes}
+
+
+def from_found(found, infos, patterns=None, share: float = DEFAULT_SHARE) -> dict[str, str]:
+    """:func:`choose` on what discovery found (``_discover.Found``) for the parameters ``infos``:
+    stacked parameters are never in a unit (they are gathered per layer), and the share rule
+    counts the whole model."""
+    sizes = {i.path: i.nbytes for i in infos if i.path not in found.in_loop}
+    return choose(found.units, sizes, patterns, share, sum(i.nbytes for i in infos), bool(found.stacks))

@@ -39,7 +39,7 @@ from flax import nnx
 
 from ._describe import describe
 from ._discover import find as discover
-from ._unit_policy import DEFAULT_SHARE, choose
+from ._unit_policy import DEFAULT_SHARE, choose, from_found
 from .runtime import units as _runtime
 from .runtime.context import ACTIVE
 
@@ -97,8 +97,7 @@ def mark(model, units=None, *, share: float = DEFAULT_SHARE):
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and path and type(node).__call__ is not nnx.Module.__call__:
             modules["/".join(map(str, path))] = node
-    params = {"/".join(map(str, p)): int(v.get_value().size * v.get_value().dtype.itemsize)
-              for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param) and hasattr(v.get_value(), "dtype")}
+    params = {i.path: i.nbytes for i in describe(nnx.state(model, nnx.Param))}
     calls = []
     for name, node in modules.items():
         if jax.tree.leaves(nnx.state(node, nnx.Not(nnx.Param))):
@@ -117,7 +116,4 @@ def find(loss_fn, params, batch, units=None, *, share: float = DEFAULT_SHARE) ->
     """Parameter path -> unit, as ``osdp_jax.plan`` would choose them for ``loss_fn`` (traced once,
     abstractly; ``params`` and ``batch`` may be abstract). ``units``: patterns, as in
     :func:`mark`; None: the default policy."""
-    found = discover(loss_fn, params, batch)
-    infos = describe(params)
-    sizes = {i.path: i.nbytes for i in infos if i.path not in found.in_loop}  # stacks: per layer
-    return choose(found.units, sizes, units, share, sum(i.nbytes for i in infos), bool(found.stacks))
+    return from_found(discover(loss_fn, params, batch), describe(params), units, share)
