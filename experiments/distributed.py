@@ -60,7 +60,11 @@ def launch(config: str, processes: int, devices_per_process: int, extra: list[st
     """Run ``osdp-jax train CONFIG`` as ``processes`` local processes on loopback; exit code."""
     coordinator = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)  # each process asks for its own devices
+    # each process asks for its own devices (--devices); the user's other XLA flags reach it
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     procs = []
     for i in range(processes):
         cmd = [sys.executable, "-m", "experiments.cli", "train", config, "--coordinator", coordinator,

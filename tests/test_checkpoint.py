@@ -73,7 +73,8 @@ def _run_killed(out, kill_code: str, plan_file=None, args=ARGS, setup_code=""):
            f"plan=osdp_jax.Plan.from_json(open({str(plan_file)!r}).read()), progress=False)")
     script = "\n".join([
         "import os, pathlib, signal, sys",
-        'os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"',
+        # the session's flags (conftest): a run compiled otherwise rounds otherwise
+        'os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"',
         "import jax",
         'jax.config.update("jax_num_cpu_devices", 8)',
         f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})",

@@ -71,10 +71,11 @@ def test_units_bound_the_gathered_weights(mesh, name):
     activations, plus two units' gathered weights (one unit and its full-size gradient in the
     backward pass), plus the weights gathered per step outside any unit and their gradients; and
     doubling the depth adds only the new blocks' shards and saved inputs. Without units every
-    block's gathered weights stay alive."""
+    block's gathered weights stay alive. (The depth claim is asserted on the LM, whose 8-block
+    compiles are the cheaper.)"""
     opt = optax.adam(1e-3)
     peaks = {}
-    for depth in (4, 8):
+    for depth in (4, 8) if name == "linen-einsum-tied" else (4,):
         params, loss_fn, batch = MODELS[name](depth) if name == "nnx-vit" else MODELS[name](layers=depth)
         units = osdp_jax.units.find(loss_fn, params, batch)
         infos = osdp_jax.describe(params)
@@ -93,6 +94,8 @@ def test_units_bound_the_gathered_weights(mesh, name):
         assert with_units.peak_bytes <= bound * 1.05, (with_units.peak_bytes / MIB, bound / MIB)
         assert fsdp.peak_bytes > with_units.peak_bytes + (depth - 2) * unit
         peaks[depth] = (with_units.peak_bytes, fsdp.peak_bytes, total)
+    if name != "linen-einsum-tied":
+        return
     (u4, f4, t4), (u8, f8, t8) = peaks[4], peaks[8]
     added = (t8 - t4) * 4 / 8  # the new blocks' params, gradients and Adam moments, sharded 8 ways
     assert u8 - u4 <= 1.25 * added, ((u8 - u4) / MIB, added / MIB)
