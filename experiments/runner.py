@@ -417,13 +417,22 @@ def methods(s: Setup) -> list[tuple]:
     """``(name, strategies, splits, remat, per_layer)`` of the methods compared: the baselines do
     not split operators, rematerialise every layer (as FSDP with activation checkpointing does)
     and treat a layer stack as one; OSDP takes the config's strategies, split counts, remat
-    policies and per-layer setting (None)."""
+    policies and per-layer setting (None). When the config's strategies include zero2, a ZeRO-2
+    baseline is added, OSDP keeps the original's space (the strategies without zero2) and OSDP+
+    takes them all."""
     base = dict(splits=(1,), remat=("full",), per_layer=False)
     found = [("DDP", ("replicate",), base), ("FSDP", ("zero3",), base)]
     if len(s.cfg.mesh.axes) > 1:  # group sharding: shard inside a node, replicate across nodes
         found.append(("HSDP", ("hsdp",), base))
-    return [(name, strategies, kw["splits"], kw["remat"], kw["per_layer"]) for name, strategies, kw in found] + [
-        ("OSDP", None, None, None, None)]
+    rows = [(name, strategies, kw["splits"], kw["remat"], kw["per_layer"]) for name, strategies, kw in found]
+    allowed = tuple(s.cfg.plan.strategies)
+    if "zero2" not in allowed:
+        return rows + [("OSDP", None, None, None, None)]
+    # a config that allows zero2 also compares ZeRO-2 alone, and OSDP in the original's space
+    # (without zero2) beside OSDP+ (with it)
+    return rows + [("ZeRO-2", ("zero2",), base["splits"], base["remat"], base["per_layer"]),
+                   ("OSDP", tuple(x for x in allowed if x != "zero2") or ("replicate",), None, None, None),
+                   ("OSDP+", None, None, None, None)]
 
 
 def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) -> list[dict]:
@@ -462,14 +471,14 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
 
 def segments_text(plan: osdp_jax.Plan) -> str:
     """The layer stack's segments in one line: per segment, its layers, how many of the stack's
-    parameters take each strategy there (R replicate, Z zero3, H hsdp; k when split) and the
+    parameters take each strategy there (R replicate, Z zero3, H hsdp, Z2 zero2; k when split) and the
     remat policy, e.g. ``"0-19: 12R 5Z dots; 20-47: 17Z full"``; ``"-"`` without a stack."""
     segs = list(plan.segments.values())
     if not segs:
         return "-"
     parts = []
     for j, (a, b, *_rest) in enumerate(segs[0]):
-        kinds = collections.Counter(f"{st[0].upper()}" + (f"k{k}" if k > 1 else "")
+        kinds = collections.Counter({"zero2": "Z2"}.get(st, st[0].upper()) + (f"k{k}" if k > 1 else "")
                                     for st, k in ((v[j][2], v[j][3]) for v in segs))
         mix = " ".join(f"{n}{kind}" for kind, n in sorted(kinds.items()))
         parts.append(f"{a}-{b - 1}: {mix} {segs[0][j][4]}")
@@ -478,7 +487,7 @@ def segments_text(plan: osdp_jax.Plan) -> str:
 
 def comparison_markdown(s: Setup, rows) -> str:
     f = osdp_jax.format_bytes
-    lines = [f"# {s.cfg.model.preset}: DDP vs FSDP vs OSDP at {f(s.budget)} per device",
+    lines = [f"# {s.cfg.model.preset}: {' vs '.join(r['method'] for r in rows)} at {f(s.budget)} per device",
              "", f"{math.prod(s.cfg.mesh.shape)} devices, hardware profile "
              f"{s.cfg.plan.hardware or 'default for the mesh'}, batch sizes {list(s.cfg.plan.batch_sizes)}. "
              "Predicted figures come from the cost model; XLA peak is measured by compiling the step; "

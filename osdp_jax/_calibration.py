@@ -44,6 +44,8 @@ class ProbeKind(enum.Enum):
     SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
     REMAT_DOTS = "D"  # as LAYER, every stack saving its matmul outputs: the "dots" remat terms
     REMAT_NONE = "N"  # as LAYER, every stack saving everything: the "none" remat terms
+    ZERO2 = "T"  # every shardable per-step parameter zero2, the rest replicated: xi (only when
+    #             the search may choose zero2)
 
     def zero3(self, info, problem: Problem) -> bool:
         """Whether this probe makes ``info`` zero3. The remat probes shard the stacks (as LAYER):
@@ -51,7 +53,11 @@ class ProbeKind(enum.Enum):
         gradient buffers (whose share of the peak is a max, not a sum); measured on the
         all-replicated step they came out up to 3x too small at small batch sizes."""
         at_use = info.path in problem.in_loop or info.path in problem.units
-        return {"R": False, "Z": True, "L": at_use, "S": True}.get(self.value, at_use)
+        return {"R": False, "Z": True, "L": at_use, "S": True, "T": False}.get(self.value, at_use)
+
+    def zero2(self, info, problem: Problem) -> bool:
+        """Whether this probe makes ``info`` zero2: the ZERO2 probe, its per-step parameters."""
+        return self is ProbeKind.ZERO2 and not (info.path in problem.in_loop or info.path in problem.units)
 
     @property
     def remat(self) -> str:
@@ -122,7 +128,8 @@ class XlaCalibrator:
         return key
 
     def profile(self, problem, kind, batch, splits, timed):
-        layout = problem.layout(lambda i: kind.zero3(i, problem), splits, kind.remat)
+        layout = problem.layout(lambda i: kind.zero3(i, problem), splits, kind.remat,
+                                lambda i: kind.zero2(i, problem))
         key = self._key(layout, batch, timed) if self.cache else None
         if key is not None and key in _PROBES:
             self.cached += 1
@@ -178,6 +185,8 @@ def probe_kinds(problem: Problem) -> list[ProbeKind]:
         kinds.append(ProbeKind.LAYER)
     if split_probe(problem):
         kinds.append(ProbeKind.SPLIT)
+    if "zero2" in problem.strategies and (can_shard & ~loop).any():
+        kinds.append(ProbeKind.ZERO2)
     return kinds
 
 
@@ -203,6 +212,8 @@ def probe_choices(problem: Problem, kind: ProbeKind) -> np.ndarray | None:
     for row, info in enumerate(problem.infos):
         zero3 = kind.zero3(info, problem) and problem.spec_of(info, "zero3") is not None
         column = ("zero3", splits.get(info.path, 1)) if zero3 else ("replicate", 1)
+        if kind.zero2(info, problem) and problem.spec_of(info, "zero2") is not None:
+            column = ("zero2", 1)
         if column not in problem.columns or problem.options[row][problem.columns.index(column)] is None:
             return None
         choices.append(problem.columns.index(column))
@@ -242,7 +253,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
-                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem))
+                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2))
         timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
                  for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
         if timed:
@@ -273,9 +284,12 @@ def _unit_mask(problem: Problem) -> np.ndarray:
 
 def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:
     """Modelled collective seconds of a probe's layout (no splits)."""
-    return sum(comm_seconds(i.nbytes, "zero3", hw, problem.topo, gathered_layers(problem, i.path, i.shape))
-               if kind.zero3(i, problem) and problem.spec_of(i, "zero3") is not None
-               else comm_seconds(i.nbytes, "replicate", hw, problem.topo) for i in problem.infos)
+    def one(i):
+        if kind.zero3(i, problem) and problem.spec_of(i, "zero3") is not None:
+            return comm_seconds(i.nbytes, "zero3", hw, problem.topo, gathered_layers(problem, i.path, i.shape))
+        zero2 = kind.zero2(i, problem) and problem.spec_of(i, "zero2") is not None
+        return comm_seconds(i.nbytes, "zero2" if zero2 else "replicate", hw, problem.topo)
+    return sum(one(i) for i in problem.infos)
 
 
 def gathered_layers(problem: Problem, path: str, shape) -> int:

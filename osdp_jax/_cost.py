@@ -9,6 +9,7 @@ Memory held for the whole step (the step's arguments; outputs alias them by dona
     replicate:  p_i + o_i
     zero3:      (p_i + o_i) / N
     hsdp:       (p_i + o_i) / N_inner       (sharded inside a node, replicated across nodes)
+    zero2:      p_i + o_i / N               (stored whole; optimizer state sharded)
 
 Transient memory (XLA's temp) is not a sum of per-parameter terms: it is set by which buffers XLA
 keeps alive together, and that differs by where a zero3 weight is gathered.
@@ -49,6 +50,17 @@ zeta p_i / k in the Z pool instead of zeta p_i (modelled). A per-layer kernel sa
 sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma fitted on a probe that splits every
 per-layer kernel at its largest k.
 
+*zero2* (the gradient reduce-scattered as it is produced, the update on the shard, the new
+shards all-gathered into the output): a per-step zero2 parameter leaves the R pool and holds
+xi p_i of temp instead. xi is fitted on a probe with every shardable per-step parameter zero2
+(``temp_2 = temp_R - (1 + rho) Z2_T + xi Z2_T``), taken only when the search may choose zero2;
+measured (``experiments/benchmarks/zero2_memory.py``), it is about 0.2 on a 2-layer MLP (the
+full-size gradients never all alive: temp 46 KiB vs 512 KiB replicated) and about 2 on the
+einsum LM of experiments/benchmarks/foreign.py (2,261 vs 2,270 KiB: the gradients alive beside
+the activations either way); uncalibrated, 1 + rho (replication's). A per-layer or unit
+parameter made zero2 keeps its temp (its gradient accumulates whole in the loop as replicated;
+gpt2-mini's stack: 1,712 vs 1,717 KiB).
+
 (rho = 1.) As ``(1 - omega) max(A, B) + omega (A + B)``, the search is a two-pool knapsack
 (``_search.solve_pools``), solved exactly.
 
@@ -63,6 +75,7 @@ on timed runs of the probe steps on the mesh (``plan(measure_time=True)``; ``fit
                L_i (2 all-gather + reduce-scatter)(p_i / L_i)   = 3 L_i a + 3(N-1)/N p_i / W
     zero3 split in k slices (each re-gathered in the backward pass), L_i = 1 if per step:
                L_i k (2 all-gather + reduce-scatter)(p_i / (L_i k))
+    zero2:     reduce-scatter(p_i) + all-gather(p_i)             = 2a + 2(N-1)/N p_i / W
     hsdp:      the same collectives over the inner axis (N_inner devices, its link), plus per
                gather an all-reduce of the gradient shard (V / N_inner) over the outer axes
     zero3 in two stages (2-D meshes): each all-gather of V is one over the inner axis of
@@ -119,18 +132,21 @@ class Calibration:
     zeta: float = 0.0  # temp bytes per byte of per-step parameter made zero3 (the Z pool)
     sigma: float = SIGMA_ESTIMATE  # temp bytes saved per byte of (1 - 1/k) p / L split per layer
     unit_flops: float = 0.0  # FLOPs per byte of unit parameter sharded: its unit's forward pass run again
+    xi: float = 2.0  # temp bytes per byte of per-step parameter made zero2 (1 + RHO until fitted)
     compute_scale: float = 1.0  # measured / modelled compute seconds (timed probes; 1 if not timed)
     comm_scale: float = 1.0  # measured / modelled collective seconds
 
 
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
         p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
-        split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None) -> Calibration:
+        split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None,
+        zero2: StepProfile | None = None) -> Calibration:
     """kappa, zeta, sigma and the units' FLOPs from the probes (module docstring); ``loop`` marks
     the parameters gathered at use (per layer, or at a unit: ``unit`` marks those).
 
     ``split`` is the all-zero3 step with every per-layer splittable kernel split at its largest
-    k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels.
+    k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels. ``zero2`` is the step
+    with every shardable per-step parameter zero2 (xi; None: xi stays 1 + rho).
     """
     z_loop = p[can_shard & loop].sum()
     top_sh, top_fixed = p[can_shard & ~loop].sum(), p[~can_shard & ~loop].sum()
@@ -145,7 +161,10 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
         sigma = max(0.0, (zero3.temp_bytes - split.temp_bytes) / split_share)
     z_unit = p[can_shard & unit].sum() if unit is not None else 0.0
     unit_flops = max(0.0, (per_layer.flops - replicate.flops) / z_unit) if per_layer and z_unit else 0.0
-    return Calibration(replicate, kappa, zeta, sigma, unit_flops)
+    xi = 1 + RHO
+    if zero2 is not None and top_sh:
+        xi = max(0.0, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
+    return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -226,6 +245,8 @@ def comm_seconds(nbytes: float, strategy: str, hw: Hardware, topo: Topology | in
     if strategy == "replicate":
         axes, n = topo.over("all")
         return hw.all_reduce(nbytes, n, axes)
+    if strategy == "zero2":  # reduce-scatter the gradient, all-gather the updated shards
+        return 2 * _gather_seconds(hw, topo, nbytes, "zero3", False)
     if strategy not in ("zero3", "hsdp"):
         raise ValueError(f"unknown strategy {strategy!r}")
     times = max(layers, 1) * split
@@ -249,7 +270,7 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
                         p0.flops + w * (p1.flops - p0.flops), p0.collectives)
     lerp = lambda a, b: a + w * (b - a)  # noqa: E731
     return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma),
-                       lerp(c0.unit_flops, c1.unit_flops), lerp(c0.compute_scale, c1.compute_scale),
+                       lerp(c0.unit_flops, c1.unit_flops), lerp(c0.xi, c1.xi), lerp(c0.compute_scale, c1.compute_scale),
                        lerp(c0.comm_scale, c1.comm_scale))
 
 
@@ -327,6 +348,9 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             mem[ok, s] = (p + o)[ok]
             mem[top, s] += p[top]  # R_T: the replicated gradient, held to the update
             pools[top, s, 0] = RHO * p[top]
+        elif name == "zero2":
+            mem[ok, s] = (p + o / n)[ok]
+            mem[top, s] += cal.xi * p[top]
         else:
             mem[ok, s] = ((p + o) / (n if name == "zero3" else topo.inner))[ok]
             mem[per_layer, s] -= cal.kappa * p[per_layer]
@@ -339,7 +363,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                       if name == "zero3" and len(topo.sizes) > 1 else np.inf)
             two_stage[i, s] = staged < flat
             time[i, s] = cal.comm_scale * min(flat, staged)
-            if unit[i] and name != "replicate" and calibration is not None:
+            if unit[i] and name in ("zero3", "hsdp") and calibration is not None:
                 time[i, s] += cal.compute_scale * cal.unit_flops * p[i] / hw.flops
     if overlap:  # max(A, B) + overlap * min(A, B) = (1 - overlap) max(A, B) + overlap (A + B)
         mem += overlap * pools.sum(axis=2)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._describe import describe, path_name
 from ._stack import Segment, Segmented, check_remat, check_segments, cut, is_segmented
-from ._strategies import axes_size, axis_entry, data_axes, sharded_dim, spec_for
+from ._strategies import axes_size, axis_entry, data_axes, sharded_dim, spec_for, state_spec_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ParamLayout:
 
     path: str
     spec: P  # storage PartitionSpec
-    strategy: str = "replicate"  # "replicate", "zero3" or "hsdp"
+    strategy: str = "replicate"  # "replicate", "zero3", "hsdp" or "zero2" (stored whole, state sharded)
     in_loop: bool = False  # gathered one layer at a time inside the model's loop (gather_params)
     split: int = 1  # operator splitting: slices its dense layer gathers one at a time
     two_stage: bool = False  # gathered one mesh axis at a time, intra-node first (2-D meshes)
@@ -149,7 +149,7 @@ class Layout:
     @classmethod
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
                    dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
-                   units=None, unit_remat: str = "full") -> "Layout":
+                   units=None, unit_remat: str = "full", zero2=()) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -161,7 +161,8 @@ class Layout:
         the loss (what ``experiments/benchmarks/gather_memory.py`` measures against). ``units``:
         path -> the unit (``osdp_jax.units``, e.g. a linen module path such as ``"blocks_3"``) a
         sharded parameter is gathered at, instead of once per step; ``unit_remat`` the remat policy
-        its units run under."""
+        its units run under. ``zero2``: paths stored whole (their spec must be replicated) whose
+        gradient and optimizer state are sharded (``osdp_jax.strategies``: ZeRO-2)."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -176,6 +177,10 @@ class Layout:
             unknown = sorted(set(named) - {i.path for i in infos})
             if unknown:
                 raise KeyError(f"{what} name parameters the params do not have: {unknown[:3]}")
+        zero2 = set(zero2)
+        unknown = sorted(zero2 - {i.path for i in infos})
+        if unknown:
+            raise KeyError(f"zero2 names parameters the params do not have: {unknown[:3]}")
         stacked_units = sorted(set(units) & in_loop)
         if stacked_units:
             raise ValueError(f"parameter {stacked_units[0]!r} is layer-stacked (gathered per layer by "
@@ -190,6 +195,15 @@ class Layout:
                     raise ValueError(f"parameter {i.path!r} {i.shape} cannot be stored as {one}: its dimension "
                                      f"{dim} is not divisible by the devices it is sharded over")
             strategy, k, staged = _strategy_of(spec, axes), splits.get(i.path, 1), i.path in set(two_stage)
+            if i.path in zero2:
+                if strategy != "replicate" or segs:
+                    raise ValueError(f"parameter {i.path!r} is zero2, so it is stored whole: give it no spec "
+                                     f"(it is {spec}) and no segments (a segment takes strategy 'zero2' itself)")
+                state_spec_for(i.shape, "zero2", P(), axes, axes_size(mesh, axes), i.path in in_loop)
+                strategy = "zero2"
+            for seg in segs:
+                if seg.strategy == "zero2":
+                    state_spec_for((seg.layers, *i.shape[1:]), "zero2", seg.spec, axes, axes_size(mesh, axes), True)
             if i.path in in_loop:
                 if len(i.shape) < 2:
                     raise ValueError(f"parameter {i.path!r} {i.shape} cannot be gathered per layer: a stacked "
@@ -260,6 +274,23 @@ def spec_tree(params, layout):
                              f"use: merge them first with osdp_jax.merge_segments, then shard under this plan")
         return pl.spec
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_segmented)
+
+
+def state_spec_tree(params, layout: Layout, n: int):
+    """:func:`spec_tree` for the gradients and the optimizer state: the storage specs, except
+    that a zero2 parameter (or segment) gets the spec its state is sharded under
+    (``_strategies.state_spec_for``; ``n`` the data-parallel device count)."""
+    by_path = {pl.path: pl for pl in layout.params}
+    specs = spec_tree(params, layout)
+
+    def one(path, x, spec):
+        pl = by_path[path_name(path)]
+        if isinstance(x, Segmented):
+            return Segmented([state_spec_for(part.shape, seg.strategy, seg.spec, layout.axes, n, True)
+                              for part, seg in zip(x.parts, pl.segments)], x.bounds)
+        strategy = pl.segments[0].strategy if pl.segments else pl.strategy
+        return state_spec_for(x.shape, strategy, spec, layout.axes, n, pl.in_loop)
+    return jax.tree_util.tree_map_with_path(one, params, specs, is_leaf=is_segmented)
 
 
 def to_storage(params, layout: Layout):

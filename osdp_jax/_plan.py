@@ -13,8 +13,9 @@ from ._stack import Segment
 from ._strategies import sharded_dim
 from ._units import format_bytes
 
-PLAN_FORMAT = 4  # 4 adds units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels; 1-3 are still read
-READABLE_FORMATS = (1, 2, 3, 4)
+PLAN_FORMAT = 5  # 5 adds the zero2 strategy, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels;
+#                 1-4 are still read
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -183,7 +184,7 @@ class Plan:
                  "bytes each")]
         for (shape, dtype, strategy, spec, _, split, _, _), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
-            where = "-" if strategy == "replicate" else (
+            where = "-" if strategy in ("replicate", "zero2") else (
                 "per layer" if pps[0].in_loop else "per unit" if pps[0].unit else "per step")
             where = "per layer" if strategy == "segments" else where
             where += ", 2-stage" if pps[0].two_stage else ""

@@ -352,7 +352,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
         pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=strategy,
                              spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
                              split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
-                             unit=problem.units.get(i.path, "") if strategy != "replicate" and split == 1 else ""))
+                             unit=problem.units.get(i.path, "") if strategy in ("zero3", "hsdp") and split == 1 else ""))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,

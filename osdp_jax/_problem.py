@@ -66,17 +66,21 @@ class Problem:
         """Paths of the parameters :meth:`loop_mask` marks."""
         return self.in_loop | frozenset(self.units)
 
-    def layout(self, zero3_where=lambda info: False, splits=None, remat: str = "full") -> Layout:
-        """A probe's layout: zero3 where ``zero3_where(info)`` (and it applies), else replicated;
-        ``splits`` (path -> k) on sharded kernels; every stack run with the ``remat`` policy."""
+    def layout(self, zero3_where=lambda info: False, splits=None, remat: str = "full",
+               zero2_where=lambda info: False) -> Layout:
+        """A probe's layout: zero3 where ``zero3_where(info)`` (and it applies), else zero2 where
+        ``zero2_where(info)`` (and it applies), else replicated; ``splits`` (path -> k) on sharded
+        kernels; every stack run with the ``remat`` policy."""
         splits = splits or {}
         params = []
         for i in self.infos:
             spec = (self.spec_of(i, "zero3") if zero3_where(i) else None) or P()
             strategy = "replicate" if sharded_dim(spec) is None else "zero3"
+            if strategy == "replicate" and zero2_where(i) and self.spec_of(i, "zero2") is not None:
+                strategy = "zero2"
             k = splits.get(i.path, 1) if strategy == "zero3" else 1
             segs = one_segment(i.shape[0], spec, strategy, k, False, remat) if i.path in self.in_loop else ()
-            unit = self.units.get(i.path, "") if strategy != "replicate" and k == 1 else ""
+            unit = self.units.get(i.path, "") if strategy == "zero3" and k == 1 else ""
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
                                       i.path in self.dense, segs, unit))
         return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)

@@ -8,6 +8,14 @@
   otherwise materialises at full size around every gather and reduce-scatter
   (``Plan.summary()`` names parameters sharded along a later dimension). A parameter with no such
   dimension cannot be zero3.
+- ``"hsdp"`` (2-D meshes): zero3 inside the last (inner) axis, replicated across the others.
+- ``"zero2"``: the parameter is stored whole on every device (spec ``P()``), but its gradient is
+  reduce-scattered and its optimizer state and update live on a shard (:func:`state_spec_for`, the
+  zero3 spec); the updated shards are all-gathered back into the whole parameter. A ring
+  all-reduce is a reduce-scatter plus an all-gather, so it costs about replication's time and
+  holds ``p + o / N`` bytes instead of ``p + o`` (o: the optimizer state's bytes). Not in the
+  default search (:data:`DEFAULT_STRATEGIES`, the original OSDP's space); ask for it with
+  ``strategies=``.
 """
 from __future__ import annotations
 
@@ -18,14 +26,15 @@ from jax.sharding import PartitionSpec as P
 
 from ._describe import ParamInfo
 
-STRATEGIES = ("replicate", "zero3", "hsdp")
+STRATEGIES = ("replicate", "zero3", "hsdp", "zero2")
+DEFAULT_STRATEGIES = ("replicate", "zero3", "hsdp")  # the original OSDP's space: strategies=None
 DEFAULT_SPLITS = (1, 2, 4, 8)  # operator-splitting slice counts the search considers
 
 
 def check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:
-    """Validate a user's strategy restriction; None means all."""
+    """Validate a user's strategy restriction; None means :data:`DEFAULT_STRATEGIES`."""
     if strategies is None:
-        return STRATEGIES
+        return DEFAULT_STRATEGIES
     if isinstance(strategies, str):
         strategies = (strategies,)
     strategies = tuple(strategies)
@@ -91,6 +100,8 @@ def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int, in_loo
     """
     if strategy == "replicate":
         return P()
+    if strategy == "zero2":  # stored whole; only its gradient and optimizer state are sharded
+        return P() if spec_for(info, "zero3", axes, n, in_loop) is not None else None
     if strategy in ("zero3", "hsdp"):
         if strategy == "hsdp" and (len(axes) < 2 or inner is None):
             return None
@@ -108,3 +119,17 @@ def sharded_dim(spec: P) -> int | None:
         if entry is not None:
             return d
     return None
+
+
+def state_spec_for(shape, strategy: str, storage: P, axes: Sequence[str], n: int, in_loop: bool = False) -> P:
+    """The spec of a parameter's gradient and optimizer state: its storage spec, except under
+    ``"zero2"``, where they are split as zero3 would split the parameter (over all ``axes``, ``n``
+    devices; after the layer axis of an ``in_loop`` stack). A ``ValueError`` when no dimension of
+    ``shape`` divides."""
+    if strategy != "zero2":
+        return storage
+    dims = [d for d, size in enumerate(shape) if d >= int(in_loop) and size % n == 0 and size >= n]
+    if n <= 1 or not dims:
+        raise ValueError(f"a parameter of shape {tuple(shape)} cannot be zero2 over {n} devices: no dimension"
+                         f"{' after the layer axis' if in_loop else ''} is divisible by {n}; replicate it")
+    return P(*([None] * dims[0]), axis_entry(axes))

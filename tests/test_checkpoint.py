@@ -230,8 +230,9 @@ def test_restore_on_four_devices_under_another_plan(uninterrupted):
 
 def test_restore_under_another_segmentation_and_device_count(uninterrupted, split_plan):
     """The run was written under split_plan's segments (layer 0 replicated, layer 1 zero3): it
-    restores, with identical values, under the reverse segmentation on 4 devices, whose segments
-    come back as Segmented parts laid out as that plan says."""
+    restores, with identical values, under the reverse segmentation on 4 devices (layer 0 zero3,
+    layer 1 zero2: whole parameters, sharded optimizer state), whose segments come back as
+    Segmented parts laid out as that plan says."""
     s = runner.setup(config.load(CONFIG, {"plan.batch_sizes": "32"}))
     abstract = s.abstract_params()
     written = osdp_jax.Plan.from_json(split_plan.read_text())
@@ -242,7 +243,7 @@ def test_restore_under_another_segmentation_and_device_count(uninterrupted, spli
         if pp.in_loop:
             spec = P(None, "data") if pp.shape[1] % 4 == 0 else P()
             reverse[pp.path] = (osdp_jax.Segment(0, 1, "zero3" if spec != P() else "replicate", 1, "dots", spec),
-                                osdp_jax.Segment(1, 2, "replicate", 1, "full", P()))
+                                osdp_jax.Segment(1, 2, "zero2" if spec != P() else "replicate", 1, "full", P()))
     other = osdp_jax.Layout.from_specs(abstract, four, {}, segments=reverse)
     ckpt = Checkpoints(uninterrupted / "checkpoints")
     step = ckpt.latest()
@@ -255,6 +256,9 @@ def test_restore_under_another_segmentation_and_device_count(uninterrupted, spli
     assert isinstance(kernel, osdp_jax.Segmented) and kernel.bounds == ((0, 1), (1, 2))
     assert kernel.parts[0].sharding.spec == P(None, "data") and len(kernel.parts[0].sharding.device_set) == 4
     assert kernel.parts[1].sharding.is_fully_replicated
+    moments = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda v: isinstance(v, osdp_jax.Segmented))
+               if isinstance(x, osdp_jax.Segmented) and x.shape == kernel.shape]
+    assert moments and all(m.parts[1].sharding.spec == P(None, "data") for m in moments)  # zero2: state sharded
     assert isinstance(saved[0]["blocks"]["layers"]["fc1"]["kernel"], osdp_jax.Segmented)
     ours, theirs = osdp_jax.merge_segments((params, opt_state)), osdp_jax.merge_segments(saved[:2])
     assert jax.tree.structure(ours) == jax.tree.structure(theirs)

@@ -23,9 +23,10 @@ from osdp_jax.planning import RecordedCalibrator
 STACK_PROBES = pathlib.Path(__file__).parent / "data" / "stack_probes.json"  # tests/data/make_recorded_probes.py
 
 
-def _mixed_segments(params, in_loop, splittable, n=8):
-    """Three segments over a 3-layer stack: layer 0 replicated, no remat; layer 1 zero3 with the
-    splittable kernels split in 2, remat "dots"; layer 2 zero3 unsplit, full remat."""
+def _mixed_segments(params, in_loop, splittable, n=8, first="replicate"):
+    """Three segments over a 3-layer stack: layer 0 ``first`` (replicate or zero2: stored whole),
+    no remat; layer 1 zero3 with the splittable kernels split in 2, remat "dots"; layer 2 zero3
+    unsplit, full remat."""
     segs = {}
     for i in osdp_jax.describe(params):
         if i.path not in in_loop:
@@ -34,15 +35,15 @@ def _mixed_segments(params, in_loop, splittable, n=8):
         k = 2 if i.path in splittable and z is not None and i.shape[1 + (z.index("data") - 1)] % (2 * n) == 0 else 1
         seg1 = Segment(1, 2, "zero3", k, "dots", z) if z is not None else Segment(1, 2, "replicate", 1, "dots")
         seg2 = Segment(2, 3, "zero3", 1, "full", z) if z is not None else Segment(2, 3, "replicate", 1, "full")
-        segs[i.path] = (Segment(0, 1, "replicate", 1, "none", P()), seg1, seg2)
+        segs[i.path] = (Segment(0, 1, first if z is not None else "replicate", 1, "none", P()), seg1, seg2)
     return segs
 
 
 @pytest.mark.parametrize("preset", ["gpt2-mini", "opt-mini", "bert-mini"])
 def test_segments_with_different_strategies_splits_and_remat_train_like_one_device(mesh, preset):
-    """The repository's models on 3 layers in 3 segments (``_mixed_segments``), every other
-    shardable top-level parameter zero3: the step gathers and reduce-scatters, and trains like
-    one device."""
+    """The repository's models on 3 layers in 3 segments (``_mixed_segments``; BERT's first
+    segment zero2), every other shardable top-level parameter zero3: the step gathers and
+    reduce-scatters, and trains like one device."""
     module, cfg, _ = models.get(preset)
     module = type(module)(dataclasses.replace(cfg, n_layer=3))
     params = models.init_params(module, 16, seed=0)
@@ -51,7 +52,7 @@ def test_segments_with_different_strategies_splits_and_remat_train_like_one_devi
     in_loop, dense = osdp_jax.discover(loss_fn, params, batch)
     assert {p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for p in dense & in_loop} >= {"fc1/kernel", "fc2/kernel"}
     assert {p.rsplit("/", 1)[-1] for p in dense} >= {"qkv_kernel", "out_kernel"}  # attention projections too
-    segs = _mixed_segments(params, in_loop, dense)
+    segs = _mixed_segments(params, in_loop, dense, first="zero2" if preset == "bert-mini" else "replicate")
     assert any(s[1].split == 2 for s in segs.values()), "a kernel is split in one segment"
     top = [i for i in osdp_jax.describe(params) if i.path not in in_loop and spec_for(i, "zero3", ("data",), 8)]
     specs = {i.path: spec_for(i, "zero3", ("data",), 8) for i in top[::2]}
@@ -60,6 +61,10 @@ def test_segments_with_different_strategies_splits_and_remat_train_like_one_devi
     opt = optax.adamw(1e-3)
     sharded = osdp_jax.shard(params, mesh, layout)
     state = osdp_jax.init_opt_state(opt, sharded, layout, mesh)
+    if preset == "bert-mini":  # layer 0 zero2: the parameter whole, its Adam moments sharded
+        kernel = sorted(p for p in in_loop if segs[p][0].strategy == "zero2")[0]
+        assert osdp_jax.flat_params(sharded)[kernel].parts[0].sharding.spec == P()
+        assert osdp_jax.flat_params(state[0].mu)[kernel].parts[0].sharding.spec != P()
     hlo = osdp_jax.make_train_step(loss_fn, opt, layout, mesh).lower(sharded, state, batch).compile().as_text()
     assert "all-gather" in hlo and "reduce-scatter" in hlo
     losses, sharded, _ = toy.sharded_run(params, loss_fn, opt, layout, mesh, batch, 3)
@@ -176,7 +181,7 @@ def test_plan_segments_round_trip_and_summary():
     back = osdp_jax.Plan.from_json(plan.to_json())
     assert back.segments == plan.segments and back.params[0].segments == pp.segments
     assert "s/layers/w: layers 0-19 replicate, 20-47 zero3 k=2, remat=dots" in plan.summary()
-    assert json.loads(plan.to_json())["format"] == 4
+    assert json.loads(plan.to_json())["format"] == osdp_jax._plan.PLAN_FORMAT == 5
     old = json.loads(plan.to_json())
     old["format"] = 2
     for p in old["params"]:

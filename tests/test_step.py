@@ -41,7 +41,13 @@ def _split(path, shape):  # mixed, with the hidden kernels split in two
     return strategy, spec, k
 
 
-KINDS = {"replicate": lambda path, shape: ("replicate", P(), 1), "zero3": _zero3, "mixed": _mixed,
+def _zero2(path, shape):  # the kernels zero2 (stored whole, state sharded), the rest zero3 where they can
+    if path.endswith("kernel") or path.endswith("embedding"):
+        return ("zero2", P(), 1) if shape and shape[0] % N == 0 else ("replicate", P(), 1)
+    return _zero3(path, shape)
+
+
+KINDS = {"replicate": lambda path, shape: ("replicate", P(), 1), "zero3": _zero3, "mixed": _mixed, "zero2": _zero2,
          "split": _split, "hsdp": lambda path, shape: ("hsdp", P("data"), 1) if shape and shape[0] % 4 == 0
          else ("replicate", P(), 1)}
 
@@ -75,6 +81,17 @@ def test_replicas_bit_identical_and_clipping_exact(kind, mesh):
     plan = hand_plan(params, mesh, KINDS[kind], 32, axes)
     if kind == "split":
         assert plan.splits_by_path, "the split plan splits kernels"
+    if kind == "zero2":  # stored whole, optimizer state sharded, its gradient reduce-scattered
+        assert plan.counts().get("zero2") and plan.counts().get("zero3")
+        opt_state = osdp_jax.init_opt_state(CLIPPED_ADAMW, osdp_jax.shard(params, mesh, plan), plan, mesh)
+        flat = osdp_jax.flat_params(osdp_jax.shard(params, mesh, plan))
+        mu = {k: v for k, v in osdp_jax.flat_params(opt_state[1][0].mu).items()}
+        zero2 = [pp.path for pp in plan.params if pp.strategy == "zero2"]
+        for path in zero2:
+            assert flat[path].sharding.spec == P() and mu[path].sharding.spec == P("data"), path
+        hlo = osdp_jax.make_train_step(loss_fn, CLIPPED_ADAMW, plan, mesh).lower(
+            osdp_jax.shard(params, mesh, plan), opt_state, batch).compile().as_text()
+        assert "reduce-scatter" in hlo and "all-gather" in hlo
     losses, sharded, _ = toy.sharded_run(params, loss_fn, CLIPPED_ADAMW, plan, mesh, batch, 4,
                                          after_step=lambda *state: _replicas_identical(state))
     toy.assert_matches_single_device(losses, sharded, params, loss_fn, CLIPPED_ADAMW, batch, rtol=1e-5)

@@ -9,9 +9,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._describe import describe, path_name
-from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, to_storage
+from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, state_spec_tree, to_storage
 from .._stack import held_fraction, is_segmented, merge
-from .._strategies import axis_entry
+from .._strategies import axes_size, axis_entry
 
 
 def place(params, mesh, layout):
@@ -105,14 +105,15 @@ def check_matches(layout, params) -> None:
 
 
 def init_opt_state(optimizer, params, plan, mesh):
-    """``optimizer.init(params)`` with each state leaf sharded like its parameter.
+    """``optimizer.init(params)`` with each state leaf sharded like its parameter (a zero2
+    parameter's state like its gradient: sharded).
 
     The state is created directly in place (``jit`` with ``out_shardings``), never gathered.
     """
     layout = as_layout(plan)
     params = to_storage(params, layout)
     abstract = jax.eval_shape(optimizer.init, params)
-    specs = opt_state_specs(optimizer, abstract, spec_tree(params, layout))
+    specs = opt_state_specs(optimizer, abstract, state_spec_tree(params, layout, axes_size(mesh, layout.axes)))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
@@ -139,7 +140,8 @@ def abstract_state(params, plan, mesh, optimizer=None):
     if optimizer is None:
         return params_t, None
     opt_state = jax.eval_shape(optimizer.init, abstract)
-    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, p_specs))
+    t_specs = state_spec_tree(params, layout, axes_size(mesh, layout.axes))
+    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, t_specs))
 
 
 def batch_sharding(mesh, plan) -> NamedSharding:

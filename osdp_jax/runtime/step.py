@@ -5,7 +5,10 @@ Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, b
 - replicated: the local gradient is averaged with one all-reduce (``pmean``);
 - zero3/hsdp: the stored shard is all-gathered (``runtime.collectives.gather``) before ``loss_fn``
   runs, at its dense layer, or one layer at a time inside the model's loop, and the gradient of
-  the gathered weight is reduce-scattered back to a shard.
+  the gathered weight is reduce-scattered back to a shard;
+- zero2: used whole, as replicated; its gradient is reduce-scattered (``psum_scatter``) to the
+  shard its optimizer state is kept on, and the updated shards are all-gathered into the whole
+  parameter when the step lays its output out.
 
 The optimizer then runs on the global arrays (outside the shard_map). Flax linen metadata boxes
 are stripped before ``loss_fn`` sees the parameters. The loss is the mean of the per-device
@@ -27,7 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._describe import describe, path_name, strip_boxes
-from .._layout import Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree
+from .._layout import (Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree,
+                       state_spec_tree)
 from .._stack import Segmented, is_segmented
 from .._strategies import axes_size, axis_entry, sharded_dim
 from .._xla import StepProfile, loop_flops, profile_compiled
@@ -137,12 +141,25 @@ class StepOptions:
         return loss, aux, new_state
 
 
-def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", options: StepOptions = StepOptions()):
+def _reduce_grad(g, spec: P, state: P, axes, n: int):
+    """One parameter's local gradient, averaged over the devices: an all-reduce for a replicated
+    one, a reduce-scatter to its state's shard for zero2; a zero3/hsdp one arrives already
+    reduce-scattered (by :func:`gather`'s backward pass), summed."""
+    if sharded_dim(spec) is not None:
+        return g / n
+    dim = sharded_dim(state)
+    if dim is None:
+        return jax.lax.pmean(g, axes)
+    return jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True) / n
+
+
+def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", options: StepOptions = StepOptions(),
+              state_specs=None):
     """The per-device body: gather, loss and gradient, gradient collectives.
 
     Returns ``(loss, aux, grads, new_state)``: the loss averaged over the devices, the aux combined
-    as ``options.aux`` says, replicated gradients averaged with one all-reduce and zero3
-    gradients reduce-scattered (by :func:`gather`'s backward pass) and divided by ``n``, and the
+    as ``options.aux`` says, the gradients as :func:`_reduce_grad` leaves them (laid out as
+    ``state_specs``, the storage specs except for zero2 parameters), and the
     new mutable state averaged over the devices. The optimizer is not applied here: it runs on
     the global arrays (see :func:`build_step`).
     """
@@ -157,9 +174,8 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
             return loss, (aux, new_state)
 
         (loss, (aux, new_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        grads = jax.tree.map(
-            lambda g, s: jax.lax.pmean(g, axes) if sharded_dim(s) is None else g / n,
-            grads, param_specs)
+        grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, param_specs,
+                             param_specs if state_specs is None else state_specs)
         aux = jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), aux)
         new_state = jax.tree.map(lambda x: _reduce_out(x, axes, "mean"), new_state)
         return jax.lax.pmean(loss, axes), aux, grads, new_state
@@ -257,7 +273,8 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
                             f"{', rng' if options.rng else ''}); got {len(extra)} more argument(s)")
         p_specs = spec_tree(params, layout)
         g = _gathering(layout, mesh, params)
-        o_specs = opt_state_specs(optimizer, opt_state, p_specs)
+        t_specs = state_spec_tree(params, layout, n)  # gradients and optimizer state
+        o_specs = opt_state_specs(optimizer, opt_state, t_specs)
         s_specs = jax.tree.map(lambda _: P(), state)
         r_spec = None if rng is None else P()
         in_specs = (p_specs, batch_specs(batch, axes), s_specs, r_spec)
@@ -265,13 +282,15 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
         params, opt_state, batch, state = jax.tree.map(
             lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch, state),
             (p_specs, o_specs, in_specs[1], s_specs))
-        body = grad_body(loss_fn, p_specs, axes, n, g, options)
+        body = grad_body(loss_fn, p_specs, axes, n, g, options, t_specs)
         aux_spec = P(axis_entry(axes)) if options.aux == "gather" else P()
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                               out_specs=(P(), aux_spec, p_specs, P()), check_vma=False)
+                               out_specs=(P(), aux_spec, t_specs, P()), check_vma=False)
         loss, aux, grads, new_state = mapped(params, batch, state, rng)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        # a zero2 parameter's update is applied on its shard, then gathered whole below
+        params = optax.apply_updates(jax.tree.map(lambda x, t: _lay_out(x, NamedSharding(mesh, t)), params, t_specs),
+                                     updates)
         params, opt_state = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)),
                                          (params, opt_state), (p_specs, o_specs))
         out = (params, opt_state, loss)
