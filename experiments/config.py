@@ -47,6 +47,7 @@ class PlanConfig:
     units: tuple[str, ...] = ("auto",)  # units (osdp_jax.units): ["auto"] the default policy, [] none, or
     #                                     fnmatch patterns of submodule paths, e.g. ["blocks_*"]
     unit_remat: str = "full"  # the remat policy units run under
+    compute_dtype: str = ""  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters); "": own dtype
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
@@ -129,6 +130,11 @@ def _check(cfg: ExperimentConfig):
         check_splits(cfg.plan.splits)
     except ValueError as e:
         _fail("plan.splits", str(e))
+    from osdp_jax._layout import check_dtype
+    try:
+        check_dtype(cfg.plan.compute_dtype)
+    except ValueError as e:
+        _fail("plan.compute_dtype", str(e))
     from osdp_jax.layers import REMAT_POLICIES
     if not cfg.plan.remat:
         _fail("plan.remat", f"give at least one remat policy of {list(REMAT_POLICIES)}")

@@ -118,7 +118,8 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
         verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
         per_layer=p.per_layer if per_layer is None else per_layer,
-        units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat)
+        units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat,
+        compute_dtype=p.compute_dtype or None)
 
 
 def addition_accuracy(s: Setup, params) -> float:

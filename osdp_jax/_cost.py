@@ -298,7 +298,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 opt_bytes: np.ndarray, other_opt_bytes: int, topo: Topology | int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None,
                 in_loop: frozenset = frozenset(), units: frozenset = frozenset(),
-                overlap: float = 0.0) -> CostTables:
+                overlap: float = 0.0, gather_ratio: np.ndarray | None = None) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -318,6 +318,9 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
         (``Calibration.unit_flops`` per byte, under the default "full" unit remat).
       overlap: the share of the smaller pool alive beside the larger at the peak (0: their max;
         1: their sum), fitted on a compiled mixed plan (``_planner``).
+      gather_ratio: per parameter, bytes a zero3/hsdp collective moves per byte stored (0.5 for a
+        float32 parameter gathered in bfloat16, ``plan(compute_dtype=)``); the memory terms need
+        no ratio, since the probes are compiled with the same gathers.
     """
     topo = Topology.flat(topo) if isinstance(topo, int) else topo
     n = topo.n
@@ -358,8 +361,9 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]
         for i in np.flatnonzero(ok):
-            flat = comm_seconds(p[i], name, hw, topo, int(layers[i]), k)
-            staged = (comm_seconds(p[i], name, hw, topo, int(layers[i]), k, two_stage=True)
+            moved = p[i] * (gather_ratio[i] if gather_ratio is not None and name in ("zero3", "hsdp") else 1.0)
+            flat = comm_seconds(moved, name, hw, topo, int(layers[i]), k)
+            staged = (comm_seconds(moved, name, hw, topo, int(layers[i]), k, two_stage=True)
                       if name == "zero3" and len(topo.sizes) > 1 else np.inf)
             two_stage[i, s] = staged < flat
             time[i, s] = cal.comm_scale * min(flat, staged)

@@ -32,9 +32,11 @@ class Collective:
     axes: tuple[str, ...]
     reduce_axes: tuple[str, ...] = ()
     two_stage: bool = False
+    dtype: str | None = None  # gathered in this dtype (the shard cast first, e.g. "bfloat16"), and its
+    #                           gradient reduce-scattered in it; None: the parameter's own dtype
 
 
-def collective(spec: P, axes, two_stage: bool = False) -> Collective | None:
+def collective(spec: P, axes, two_stage: bool = False, dtype: str | None = None) -> Collective | None:
     """How a parameter stored as ``spec`` is gathered: over the axes its sharded dimension names;
     its gradient is also summed over the other data-parallel ``axes``. None if replicated."""
     dim = sharded_dim(spec)
@@ -42,7 +44,7 @@ def collective(spec: P, axes, two_stage: bool = False) -> Collective | None:
         return None
     entry = spec[dim]
     on = tuple(entry) if isinstance(entry, tuple) else (entry,)
-    return Collective(on, tuple(a for a in axes if a not in on), two_stage)
+    return Collective(on, tuple(a for a in axes if a not in on), two_stage, dtype or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,8 @@ class ParamLayout:
     segments: tuple[Segment, ...] = ()  # an in_loop (layer-stacked) parameter's segments, in order
     unit: str = ""  # the unit (osdp_jax.units) a sharded parameter is gathered at, on each call and again
     #                 in the backward pass; "" gathers it once per step
+    gather_dtype: str = ""  # a sharded parameter gathered in this dtype (its shard, master and optimizer
+    #                         state stay in its own); "": its own dtype
 
     @property
     def segmented(self) -> bool:
@@ -143,13 +147,13 @@ class Layout:
 
     def collectives(self) -> dict[str, Collective | None]:
         """Path -> how it is gathered (None: replicated)."""
-        return {pl.path: collective(pl.spec, self.axes, pl.two_stage) for pl in self.params}
+        return {pl.path: collective(pl.spec, self.axes, pl.two_stage, pl.gather_dtype) for pl in self.params}
 
     # --- constructors ------------------------------------------------------------------------
     @classmethod
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
                    dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
-                   units=None, unit_remat: str = "full", zero2=()) -> "Layout":
+                   units=None, unit_remat: str = "full", zero2=(), gather_dtype: str | None = None) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -162,7 +166,10 @@ class Layout:
         path -> the unit (``osdp_jax.units``, e.g. a linen module path such as ``"blocks_3"``) a
         sharded parameter is gathered at, instead of once per step; ``unit_remat`` the remat policy
         its units run under. ``zero2``: paths stored whole (their spec must be replicated) whose
-        gradient and optimizer state are sharded (``osdp_jax.strategies``: ZeRO-2)."""
+        gradient and optimizer state are sharded (``osdp_jax.strategies``: ZeRO-2). ``gather_dtype``
+        (e.g. ``"bfloat16"``): every sharded parameter is gathered in that dtype, its gradient
+        reduce-scattered in it; the stored shard, its update and its optimizer state keep the
+        parameter's dtype."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -177,6 +184,7 @@ class Layout:
             unknown = sorted(set(named) - {i.path for i in infos})
             if unknown:
                 raise KeyError(f"{what} name parameters the params do not have: {unknown[:3]}")
+        gather_dtype = check_dtype(gather_dtype, "gather_dtype")
         zero2 = set(zero2)
         unknown = sorted(zero2 - {i.path for i in infos})
         if unknown:
@@ -210,8 +218,10 @@ class Layout:
                                      f"parameter has a layer axis and at least one more")
                 segs = segs or one_segment(i.shape[0], spec, strategy, k, staged, remat)
                 check_segments(i.path, segs, i.shape[0])
+            sharded = any(sharded_dim(x.spec) is not None for x in segs) or sharded_dim(spec) is not None
             params_.append(ParamLayout(i.path, spec, strategy, i.path in in_loop, k, staged,
-                                       i.path in set(dense), segs, units.get(i.path, "")))
+                                       i.path in set(dense), segs, units.get(i.path, ""),
+                                       gather_dtype if sharded else ""))
         return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat))
 
     @classmethod
@@ -222,7 +232,7 @@ class Layout:
 
     @classmethod
     def fsdp(cls, params, mesh, *, axis=None, in_loop=(), dense=(), remat: str = "full", units=None,
-             unit_remat: str = "full") -> "Layout":
+             unit_remat: str = "full", gather_dtype: str | None = None) -> "Layout":
         """Every parameter ZeRO-3 sharded over all data-parallel devices, along its first
         dimension they divide (after the layer axis for ``in_loop`` ones); the others replicated.
         ``units`` (path -> unit) and ``unit_remat`` as in :meth:`from_specs`
@@ -235,7 +245,21 @@ class Layout:
             spec = spec_for(i, "zero3", axes, n, i.path in in_loop, n)
             specs[i.path] = spec if spec is not None else P()
         return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat,
-                              units=units, unit_remat=unit_remat)
+                              units=units, unit_remat=unit_remat, gather_dtype=gather_dtype)
+
+
+def check_dtype(dtype, what: str = "compute_dtype") -> str:
+    """A floating dtype's name (``"bfloat16"``), or "" for None/""; a ``ValueError`` otherwise."""
+    if dtype is None or dtype == "":
+        return ""
+    try:
+        d = jax.numpy.dtype(dtype)
+    except TypeError:
+        d = None
+    if d is None or not jax.numpy.issubdtype(d, jax.numpy.floating):
+        raise ValueError(f"{what} must be a floating dtype such as 'bfloat16', 'float16' or 'float32', "
+                         f"got {dtype!r}")
+    return d.name
 
 
 def as_layout(plan_or_layout) -> Layout:

@@ -13,7 +13,7 @@ from ._stack import Segment
 from ._strategies import sharded_dim
 from ._units import format_bytes
 
-PLAN_FORMAT = 5  # 5 adds the zero2 strategy, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels;
+PLAN_FORMAT = 5  # 5 adds the zero2 strategy and gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels;
 #                 1-4 are still read
 READABLE_FORMATS = (1, 2, 3, 4, 5)
 
@@ -61,6 +61,7 @@ class ParamPlan:
     dense: bool = False  # a kernel of a dense layer (found by tracing the loss): gathered at its layer
     segments: tuple[Segment, ...] = ()  # a stacked parameter's layer segments (empty: one, as above)
     unit: str = ""  # the unit (osdp_jax.units) a sharded parameter is gathered at; "": once per step
+    gather_dtype: str = ""  # a sharded parameter gathered in this dtype (plan(compute_dtype=)); "": its own
 
     def layer_segments(self) -> tuple[Segment, ...]:
         """The segments of a stacked (``in_loop``) parameter: its own, or one over all its layers."""
@@ -138,7 +139,8 @@ class Plan:
     def layout(self) -> Layout:
         """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
         return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
-                                        pp.dense, pp.layer_segments(), pp.unit) for pp in self.params),
+                                        pp.dense, pp.layer_segments(), pp.unit, pp.gather_dtype)
+                            for pp in self.params),
                       tuple(self.axes), unit_remat=self.unit_remat)
 
     @property
@@ -188,6 +190,7 @@ class Plan:
                 "per layer" if pps[0].in_loop else "per unit" if pps[0].unit else "per step")
             where = "per layer" if strategy == "segments" else where
             where += ", 2-stage" if pps[0].two_stage else ""
+            where += f", in {pps[0].gather_dtype}" if pps[0].gather_dtype else ""
             rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
                          where, str(split) if split > 1 else "-", format_bytes(pps[0].nbytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -247,7 +250,8 @@ class Plan:
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
                         "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
-                        "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments], "unit": pp.unit}
+                        "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments], "unit": pp.unit,
+                        "gather_dtype": pp.gather_dtype}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -259,7 +263,8 @@ class Plan:
         params = tuple(ParamPlan(p["path"], tuple(p["shape"]), p["dtype"], p["strategy"],
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
                                  p.get("split", 1), p.get("two_stage", False), p.get("dense", False),
-                                 tuple(Segment.from_json(x) for x in p.get("segments", ())), p.get("unit", ""))
+                                 tuple(Segment.from_json(x) for x in p.get("segments", ())), p.get("unit", ""),
+                                 p.get("gather_dtype", ""))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

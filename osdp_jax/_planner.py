@@ -20,7 +20,7 @@ from ._calibration import OVERLAPS, Calibrator, XlaCalibrator, calibrate, probe_
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
-from ._layout import whole_spec
+from ._layout import check_dtype, whole_spec
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
@@ -54,6 +54,7 @@ class PlanOptions:
     per_layer: bool = True  # decide each layer of a stack (segments); False: one choice per stack
     units: object = None  # unit patterns (osdp_jax.units); None: the default policy; (): no units
     unit_remat: str = "full"  # the remat policy units run under
+    compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
 
 
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
@@ -72,7 +73,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         takes the same choice, one segment), ``units`` (``fnmatch`` patterns of the submodules
         whose sharded weights are gathered on each call and again in the backward pass,
         ``osdp_jax.units``; None: the default policy; ``()``: none) and ``unit_remat`` (the remat
-        policy units run under, default ``"full"``).
+        policy units run under, default ``"full"``), ``compute_dtype`` (e.g. ``"bfloat16"``: every
+        sharded parameter is gathered, and its gradient reduce-scattered, in that dtype, at half
+        the bytes from float32; the stored shard, its update and its optimizer state keep the
+        parameter's dtype; the probes are compiled that way, so the memory terms are fitted on it).
 
     A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
     cut it into segments with their own strategy, split count and remat policy
@@ -91,7 +95,8 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     batches = _batches(o.loss_fn, o.batch, o.batch_sizes, axes_size(mesh, axes))
     problem = build_problem(params, mesh, axes, strategies, splits, o.loss_fn,
-                            None if o.batch is None else batches[min(batches)], o.units, o.unit_remat)
+                            None if o.batch is None else batches[min(batches)], o.units, o.unit_remat,
+                            check_dtype(o.compute_dtype))
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
     run = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
                             abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
@@ -131,7 +136,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
                                                other_opt, problem.topo, hw, _batch_bytes(batches[b]),
                                                calibrated.calibrations[b], problem.in_loop,
-                                               frozenset(problem.units), overlap),
+                                               frozenset(problem.units), overlap, problem.gather_ratio()),
                           calibrated.remat.get(b), policies, o.per_layer)
                 for b in batches}
 
@@ -345,14 +350,17 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
             head = next(x for x in s if x.spec == whole_spec(s))
             pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=head.strategy,
                                  spec=head.spec, nbytes=i.nbytes, in_loop=True, split=head.split,
-                                 two_stage=head.two_stage, dense=i.path in problem.dense, segments=s))
+                                 two_stage=head.two_stage, dense=i.path in problem.dense, segments=s,
+                                 gather_dtype=problem.compute_dtype if any(x.strategy in ("zero3", "hsdp") for x in s)
+                                 else ""))
             continue
         c = whole[k]
         strategy, split = problem.columns[c]
         pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=strategy,
                              spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
                              split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
-                             unit=problem.units.get(i.path, "") if strategy in ("zero3", "hsdp") and split == 1 else ""))
+                             unit=problem.units.get(i.path, "") if strategy in ("zero3", "hsdp") and split == 1 else "",
+                             gather_dtype=problem.compute_dtype if strategy in ("zero3", "hsdp") else ""))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,

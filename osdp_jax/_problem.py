@@ -43,6 +43,15 @@ class Problem:
     stacks: tuple[tuple[str, ...], ...] = ()  # per layers.scan call, its stacked parameters' paths
     units: dict = dataclasses.field(default_factory=dict)  # path -> unit it is gathered at when sharded
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
+    compute_dtype: str = ""  # sharded parameters gathered in this dtype ("": their own)
+
+    def gather_ratio(self) -> np.ndarray:
+        """Per parameter, bytes gathered per byte stored: itemsize(compute_dtype) / its itemsize
+        (at most 1; 1 without a compute dtype)."""
+        if not self.compute_dtype:
+            return np.ones(len(self.infos))
+        size = np.dtype(jax.numpy.dtype(self.compute_dtype)).itemsize
+        return np.array([min(1.0, size / np.dtype(i.dtype).itemsize) for i in self.infos])
 
     def stack_layers(self, s: int) -> int:
         """Layers of stack ``s``."""
@@ -82,7 +91,8 @@ class Problem:
             segs = one_segment(i.shape[0], spec, strategy, k, False, remat) if i.path in self.in_loop else ()
             unit = self.units.get(i.path, "") if strategy == "zero3" and k == 1 else ""
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
-                                      i.path in self.dense, segs, unit))
+                                      i.path in self.dense, segs, unit,
+                                      self.compute_dtype if strategy == "zero3" else ""))
         return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)
 
 
@@ -109,7 +119,7 @@ def _split_counts(problem: Problem, info: ParamInfo, strategy: str, splittable, 
 
 
 def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=None, units=None,
-                  unit_remat: str = "full") -> Problem:
+                  unit_remat: str = "full", compute_dtype: str = "") -> Problem:
     """The problem for ``params`` on ``mesh``'s data-parallel ``axes``; with ``loss_fn`` and an
     (abstract) ``batch``, the loss is traced once to find per-layer parameters, dense kernels and
     units (``units``: patterns of the units to use, None: the default policy, ``()``: none; see
@@ -138,7 +148,8 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     sharded = [s for s in ("zero3", "hsdp") if s in strategies]
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
-                      in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat))
+                      in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),
+                      compute_dtype=compute_dtype)
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     options = []
     for i in infos:

@@ -15,24 +15,34 @@ from .._layout import Collective
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def gather(shard, dim: int, how: Collective):
-    """All-gather a ZeRO-3 shard along ``dim`` as ``how`` says (inside shard_map).
+    """All-gather a ZeRO-3 shard along ``dim`` as ``how`` says (inside shard_map). With
+    ``how.dtype`` (e.g. bfloat16) the shard is cast to it for the collective and the gathered
+    weight cast back to the shard's dtype, so the model computes in its own dtypes on the
+    rounded weight (a model computing in bfloat16 casts it again, exactly); the gradient is cast
+    to ``how.dtype`` for the reduce-scatter and back after it.
 
     Its gradient reduce-scatters the cotangent back to a shard (and sums it over
     ``how.reduce_axes``): the sum over devices, so the caller divides by the device count for a
     mean.
     """
+    own = shard.dtype
+    if how.dtype is not None:  # a low-precision gather: half the bytes for bfloat16 from float32
+        shard = shard.astype(how.dtype)
     if how.two_stage and len(how.axes) > 1:
         for axis in reversed(how.axes):  # inner (intra-node) axis first
             shard = jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
-        return shard
-    return jax.lax.all_gather(shard, how.axes, axis=dim, tiled=True)
+    else:
+        shard = jax.lax.all_gather(shard, how.axes, axis=dim, tiled=True)
+    return shard.astype(own)  # the model computes in its own dtypes, on the rounded weight
 
 
 def _gather_fwd(shard, dim, how):
-    return gather(shard, dim, how), None
+    return gather(shard, dim, how), jax.numpy.zeros((), shard.dtype)  # the shard's dtype, for the gradient
 
 
-def _gather_bwd(dim, how, _, cotangent):
+def _gather_bwd(dim, how, like, cotangent):
+    if how.dtype is not None:
+        cotangent = cotangent.astype(how.dtype)
     if how.two_stage and len(how.axes) > 1:
         for axis in how.axes:  # outer (inter-node) axis first: the reverse of the gather
             cotangent = jax.lax.psum_scatter(cotangent, axis, scatter_dimension=dim, tiled=True)
@@ -40,7 +50,7 @@ def _gather_bwd(dim, how, _, cotangent):
         cotangent = jax.lax.psum_scatter(cotangent, how.axes, scatter_dimension=dim, tiled=True)
     if how.reduce_axes:
         cotangent = jax.lax.psum(cotangent, how.reduce_axes)
-    return (cotangent,)
+    return (cotangent.astype(like.dtype),)
 
 
 gather.defvjp(_gather_fwd, _gather_bwd)

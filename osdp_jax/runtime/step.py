@@ -231,7 +231,7 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
             segments = pl.segments or one_segment(shapes[pl.path][0], pl.spec, pl.strategy, pl.split,
                                                   pl.two_stage, "full")
             for seg in segments:
-                c = collective(seg.spec, layout.axes, seg.two_stage)
+                c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype)
                 runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
                                        axes_size(mesh, c.axes) if c else 1, seg.remat))
             stacks[pl.path] = tuple(runs)
