@@ -48,6 +48,7 @@ class PlanConfig:
     #                                     fnmatch patterns of submodule paths, e.g. ["blocks_*"]
     unit_remat: str = "full"  # the remat policy units run under
     compute_dtype: str = ""  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters); "": own dtype
+    microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
@@ -130,6 +131,13 @@ def _check(cfg: ExperimentConfig):
         check_splits(cfg.plan.splits)
     except ValueError as e:
         _fail("plan.splits", str(e))
+    bad = [m for m in cfg.plan.microbatches if isinstance(m, bool) or not isinstance(m, int) or m < 1]
+    if bad or not cfg.plan.microbatches:
+        _fail("plan.microbatches", f"give positive integers such as [1, 2, 4, 8] ([1]: no gradient accumulation), "
+                                   f"got {list(cfg.plan.microbatches)}")
+    if not any(b % (n * m) == 0 for b in cfg.plan.batch_sizes for m in cfg.plan.microbatches):
+        _fail("plan.microbatches", f"no batch size of {list(cfg.plan.batch_sizes)} splits into the mesh's {n} "
+                                   f"devices x any of {list(cfg.plan.microbatches)} microbatches")
     from osdp_jax._layout import check_dtype
     try:
         check_dtype(cfg.plan.compute_dtype)

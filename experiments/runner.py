@@ -119,7 +119,10 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
         per_layer=p.per_layer if per_layer is None else per_layer,
         units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat,
-        compute_dtype=p.compute_dtype or None)
+        compute_dtype=p.compute_dtype or None,
+        # the config's microbatch counts for its own space; a method with its strategies fixed
+        # (DDP, FSDP, ZeRO-2, OSDP as the original) runs the whole batch at once
+        microbatches=p.microbatches if strategies is None else (1,))
 
 
 def addition_accuracy(s: Setup, params) -> float:

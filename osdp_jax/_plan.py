@@ -96,6 +96,7 @@ class Plan:
     compiles: int = 0  # XLA compiles that planning ran
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
     pool_overlap: float = 0.0  # the cost model's pool overlap omega (_cost), fitted on a compiled plan
+    microbatches: int = 1  # the global batch runs as this many microbatches (gradient accumulation)
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 
     # --- pytree views --------------------------------------------------------------------------
@@ -227,7 +228,9 @@ class Plan:
             f"mesh axes {self.axes} ({self.num_devices} data-parallel devices), hardware {self.hardware}",
             f"parameters: {format_bytes(total)} total; strategies: {self.counts()}; "
             f"split kernels: {len(self.splits_by_path)}",
-            f"batch size: {self.batch_size if self.batch_size is not None else '-'}",
+            f"batch size: {self.batch_size if self.batch_size is not None else '-'}"
+            + (f", as {self.microbatches} microbatches of {self.batch_size // self.microbatches} (gradient accumulation)"
+               if self.microbatches > 1 and self.batch_size else ""),
             f"per-device peak: predicted {format_bytes(self.predicted_peak_bytes)}, "
             f"XLA {format_bytes(self.xla_peak_bytes) if self.xla_peak_bytes is not None else 'not compiled'}, "
             f"budget {format_bytes(self.budget_bytes)}",

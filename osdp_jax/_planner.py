@@ -55,6 +55,7 @@ class PlanOptions:
     units: object = None  # unit patterns (osdp_jax.units); None: the default policy; (): no units
     unit_remat: str = "full"  # the remat policy units run under
     compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
+    microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
 
 
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
@@ -76,7 +77,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         policy units run under, default ``"full"``), ``compute_dtype`` (e.g. ``"bfloat16"``: every
         sharded parameter is gathered, and its gradient reduce-scattered, in that dtype, at half
         the bytes from float32; the stored shard, its update and its optimizer state keep the
-        parameter's dtype; the probes are compiled that way, so the memory terms are fitted on it).
+        parameter's dtype; the probes are compiled that way, so the memory terms are fitted on it),
+        ``microbatches`` (e.g. ``(1, 2, 4, 8)``: each global batch size is also tried as m
+        microbatches with gradient accumulation, ``Plan.microbatches``; the default ``(1,)`` does
+        not accumulate).
 
     A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
     cut it into segments with their own strategy, split count and remat policy
@@ -98,54 +102,116 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
                             None if o.batch is None else batches[min(batches)], o.units, o.unit_remat,
                             check_dtype(o.compute_dtype))
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
-    run = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
+    one = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
                             abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
                             start=start)
+    counts = _microbatches(o.microbatches, batches, axes_size(mesh, axes), o.loss_fn)
+
+    def run(p):
+        return _fastest([functools.partial(one, p, m=m) for m in counts], start)
     if o.units is not None or not problem.units:
         return run(problem)
     # the default policy found units: a unit saves memory for one more gather (and, under the
     # default "full" unit remat, its forward pass again), so plan with and without them and keep
     # the faster plan (the all-replicate probe is the same in both, and compiled once)
+    best = _fastest([functools.partial(run, p) for p in (problem, dataclasses.replace(problem, units={}))], start)
+    log.info("units: %s", "used" if best.units else "not used")
+    return best
+
+
+def _microbatches(counts, batches: dict, n: int, loss_fn) -> tuple[int, ...]:
+    """The microbatch counts to try: those some global batch size splits into (devices x m)."""
+    counts = (counts,) if isinstance(counts, int) else tuple(counts)
+    bad = [m for m in counts if isinstance(m, bool) or not isinstance(m, int) or m < 1]
+    if bad or not counts:
+        raise ValueError(f"microbatches must be positive integers such as (1, 2, 4, 8) ((1,): no gradient "
+                         f"accumulation), got {counts!r}")
+    if loss_fn is None:
+        return (1,)
+    usable = tuple(m for m in sorted(set(counts)) if any(b % (n * m) == 0 for b in batches))
+    if not usable:
+        raise ValueError(f"no batch size of {sorted(batches)} splits into {n} devices x any of microbatches "
+                         f"{list(counts)}: use batch sizes divisible by devices x microbatches")
+    return usable
+
+
+def _fastest(runs, start) -> Plan:
+    """The plan of highest predicted throughput among ``runs`` (callables); the least
+    ``InfeasibleBudgetError`` when none fits."""
     plans, errors = [], []
-    for p in (problem, dataclasses.replace(problem, units={})):
+    for run in runs:
         try:
-            plans.append(run(p))
+            plans.append(run())
         except InfeasibleBudgetError as e:
             errors.append(e)
     if not plans:
         raise min(errors, key=lambda e: e.min_bytes)
+    if len(plans) == 1:
+        return plans[0]
     best = max(plans, key=lambda p: (p.predicted_samples_per_second or -p.predicted_step_seconds or 0.0,
                                      -p.predicted_peak_bytes))
-    log.info("units: %s (%s)", "used" if best.units else "not used",
-             ", ".join(f"{len(p.units)} units: {p.predicted_samples_per_second or 0:.4g} samples/s" for p in plans))
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start,
                                compiles=max(p.compiles for p in plans),
                                compile_seconds=max(p.compile_seconds for p in plans))
 
 
+def _accumulated(t, m: int, problem: Problem):
+    """Cost tables of a step run as m microbatches, from those of one microbatch: the compute and
+    every zero3/hsdp parameter's collectives (gathered and reduce-scattered in each microbatch) m
+    times; replicated and zero2 gradients are reduced once. Memory: the gradient accumulator,
+    alive beside each microbatch's gradient, p bytes for a replicated or zero2 parameter (summed
+    whole) and p / N for a zero3 one (p / N_inner hsdp)."""
+    if m == 1:
+        return t
+    time_, mem = t.time.copy(), t.mem.copy()
+    p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
+    for c, (strategy, _) in enumerate(t.columns):
+        if strategy in ("zero3", "hsdp"):
+            time_[:, c] *= m
+        mem[:, c] += p / {"zero3": problem.n, "hsdp": problem.topo.inner}.get(strategy, 1)
+    return dataclasses.replace(t, time=time_, mem=mem, base_time=t.base_time * m)
+
+
 def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget, optimizer, abstract, batches,
-                  policies, calibrator, start) -> Plan:
-    """calibrate -> cost -> search -> verify -> build, for one problem."""
+                  policies, calibrator, start, m: int = 1) -> Plan:
+    """calibrate -> cost -> search -> verify -> build, for one problem, with each global batch
+    size run as ``m`` microbatches (probed and costed at the microbatch's size)."""
     strategies, axes = problem.strategies, problem.axes
-    calibrated = (calibrate(problem, calibrator, batches, hw, o.measure_time, _progress, policies)
+    if m > 1:  # global sizes m microbatches divide; the probes run one microbatch
+        n = axes_size(mesh, axes)
+        batches = {b: x for b, x in batches.items() if b % (n * m) == 0}
+        probe_batches = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // m, *x.shape[1:]), x.dtype), x)
+                         for b, x in batches.items()}
+    else:
+        probe_batches = batches
+    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies)
                   if o.loss_fn is not None else uncalibrated(batches))
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 
     def tables_for(overlap: float) -> dict:
-        return {b: expand(problem, cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes,
-                                               other_opt, problem.topo, hw, _batch_bytes(batches[b]),
-                                               calibrated.calibrations[b], problem.in_loop,
-                                               frozenset(problem.units), overlap, problem.gather_ratio()),
-                          calibrated.remat.get(b), policies, o.per_layer)
-                for b in batches}
+        out = {}
+        for b in batches:
+            t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
+                            problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
+                            frozenset(problem.units), overlap, problem.gather_ratio())
+            if m > 1:  # the whole global batch is an argument; the probe held one microbatch of it
+                t = dataclasses.replace(_accumulated(t, m, problem), base_mem=t.base_mem + (
+                    _batch_bytes(batches[b]) - _batch_bytes(probe_batches[b])) / axes_size(mesh, axes))
+            remat = calibrated.remat.get(b)
+            if remat and m > 1:
+                remat = {policy: (temp, seconds * m) for policy, (temp, seconds) in remat.items()}
+            out[b] = expand(problem, t, remat, policies, o.per_layer)
+        return out
 
-    overlap_key = _overlap_key(calibrator, problem, batches)
+    overlap_key = _overlap_key(calibrator, problem, probe_batches)
+    overlap_key = overlap_key if overlap_key is None or m == 1 else (overlap_key, m)
     fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
     tables = tables_for(fitted or 0.0)
     best, min_needed = _search(tables, budget)
     seconds = time.perf_counter() - t0
-    known = _known(problem, calibrated.probes, tables)  # compiled layouts, with their XLA peaks
+    # compiled layouts with their XLA peaks (a probe of one microbatch is not the accumulated step)
+    known = _known(problem, calibrated.probes, tables) if m == 1 else []
     verifying = o.loss_fn is not None and o.verify
     if best is None and not (verifying and any(peak <= budget for _, peak in known)):
         least = min([min_needed, *(peak for _, peak in known)])  # never above a layout shown to fit
@@ -158,8 +224,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         if xla_peak is not None:
             compiled["candidate"] = candidate
         counts = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds", 0.0) + verified.seconds
-        return _build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
-                      (time.perf_counter() - start, *counts), overlap)
+        return dataclasses.replace(_build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
+                                          (time.perf_counter() - start, *counts), overlap), microbatches=m)
 
     if not verifying:
         return build(best)

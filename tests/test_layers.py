@@ -39,7 +39,10 @@ def _mixed_segments(params, in_loop, splittable, n=8, first="replicate"):
     return segs
 
 
-@pytest.mark.parametrize("preset", ["gpt2-mini", "opt-mini", "bert-mini"])
+# opt-mini runs with the slow tests: its step hits an XLA:CPU race about once in four full runs
+# (two collectives of one execution in one rendezvous: NaN losses, or "Check failed: id <
+# num_threads"; README, Not done yet); gpt2-mini and bert-mini assert the same here
+@pytest.mark.parametrize("preset", ["gpt2-mini", pytest.param("opt-mini", marks=pytest.mark.slow), "bert-mini"])
 def test_segments_with_different_strategies_splits_and_remat_train_like_one_device(mesh, preset):
     """The repository's models on 3 layers in 3 segments (``_mixed_segments``; BERT's first
     segment zero2), every other shardable top-level parameter zero3: the step gathers and

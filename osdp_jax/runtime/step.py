@@ -108,11 +108,17 @@ class StepOptions:
     rng: bool = False  # loss_fn takes rng=, a key folded with the device index
     state: bool = False  # loss_fn takes state= (mutable collections) and returns the new state too
     embed_lookup: bool = True  # Flax Embed through runtime.kernels.lookup (False: Flax's own, to measure)
+    microbatches: int = 1  # each device's batch slice runs as this many microbatches, gradients summed
 
     def __post_init__(self):
         if self.aux not in ("mean", "gather"):
             raise ValueError(f"aux must be 'mean' (average floats, sum integers) or 'gather' "
                              f"(concatenate along the leading axis), got {self.aux!r}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer (1: no accumulation), got {self.microbatches!r}")
+        if self.microbatches > 1 and self.state:
+            raise ValueError("microbatches > 1 with state=True (mutable collections) is not supported: the "
+                             "statistics of one microbatch would replace another's; use microbatches=1")
 
     def call(self, f, params, batch, state, rng):
         """``(loss, aux, new_state)`` of one call of ``f`` (a ``model_view`` of loss_fn)."""
@@ -164,16 +170,42 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
     the global arrays (see :func:`build_step`).
     """
     view = model_view(loss_fn, param_specs, gathering, options.embed_lookup)
+    m = options.microbatches
+
+    def value_and_grad(params, batch, state, rng):
+        def loss_of(p):
+            loss, aux, new_state = options.call(view, p, batch, state, rng)
+            return loss, (aux, new_state)
+        return jax.value_and_grad(loss_of, has_aux=True)(params)
+
+    def accumulated(params, batch, rng):
+        """m microbatches in a loop: every sharded parameter is gathered again in each, and its
+        gradient reduce-scattered there (a shard-sized accumulator); a replicated or zero2
+        gradient is summed locally (whole) and reduced once, after the loop."""
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if rows % m:
+            raise ValueError(f"each device's batch slice has {rows} examples, not divisible into {m} "
+                             f"microbatches: use a global batch size divisible by devices x microbatches")
+        split = jax.tree.map(lambda x: x.reshape(m, rows // m, *x.shape[1:]), batch)
+
+        def one(total, xs):
+            i, b = xs
+            (loss, (aux, _)), g = value_and_grad(params, b, None, None if rng is None else jax.random.fold_in(rng, i))
+            return jax.tree.map(jax.numpy.add, total, (loss.astype(jax.numpy.float32), g)), aux
+
+        zeros = (jax.numpy.zeros((), jax.numpy.float32), jax.tree.map(jax.numpy.zeros_like, params))
+        (loss, grads), auxs = jax.lax.scan(one, zeros, (jax.numpy.arange(m), split))
+        aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if options.aux == "gather" else
+                           (a.mean(0) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else a.sum(0)), auxs)
+        return (loss / m, (aux, None)), jax.tree.map(lambda g: g / m, grads)
 
     def body(params, batch, state, rng):
         if options.rng:
             rng = jax.random.fold_in(rng, device_index(axes))
-
-        def loss_of(p):
-            loss, aux, new_state = options.call(view, p, batch, state, rng)
-            return loss, (aux, new_state)
-
-        (loss, (aux, new_state)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        if m > 1:
+            (loss, (aux, new_state)), grads = accumulated(params, batch, rng)
+        else:
+            (loss, (aux, new_state)), grads = value_and_grad(params, batch, state, rng)
         grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, param_specs,
                              param_specs if state_specs is None else state_specs)
         aux = jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), aux)
@@ -409,7 +441,8 @@ class TrainStep:
 
 
 def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, aux: str = "mean",
-                    rng: bool = False, state: bool = False, any_batch_size: bool = False):
+                    rng: bool = False, state: bool = False, any_batch_size: bool = False,
+                    microbatches: int | None = None):
     """A ``jax.jit``-wrapped step ``(params, opt_state, batch[, state][, rng])`` returning
     ``(params, opt_state, loss[, aux][, new_state])``.
 
@@ -439,11 +472,19 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
       state: the step takes mutable collections (e.g. ``{"batch_stats": ...}``, replicated) after
         the batch and returns the new ones, averaged over the data-parallel devices (BatchNorm
         statistics of the whole batch, for statistics that are means).
+      microbatches: run each device's batch slice as this many microbatches in a loop, summing
+        the gradients (gradient accumulation): activation memory falls about m-fold, every sharded
+        parameter is gathered and reduce-scattered once per microbatch, a replicated (or zero2)
+        gradient is summed locally and reduced once. The loss and gradient equal those of the
+        whole batch (mean of equal microbatches), up to float rounding. Default: the plan's
+        ``microbatches`` (1 for a ``Layout``). Not with ``state=True``. With ``rng``, each
+        microbatch gets the device's key folded with its index.
       any_batch_size: accept a global batch size other than ``plan.batch_size`` (it recompiles,
         and its memory was not checked against the budget). By default such a batch raises a
         ``ValueError`` naming the planned size.
     """
-    options = StepOptions(has_aux, aux, rng, state)
+    options = StepOptions(has_aux, aux, rng, state,
+                          microbatches=getattr(plan, "microbatches", 1) if microbatches is None else microbatches)
     step = build_step(loss_fn, optimizer, mesh, plan, options)
     return TrainStep(jit_step(step), "train step", None if any_batch_size else plan.batch_size,
                      reuse=(loss_fn, optimizer, mesh, plan, options))
@@ -504,6 +545,7 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options):
     the loop iterations XLA's cost analysis does not count (``osdp_jax.xla.loop_flops``), from the
     same trace."""
     args = abstract_args(optimizer, params, batch, mesh, plan)
+    options.setdefault("microbatches", getattr(plan, "microbatches", 1))
     step_options = StepOptions(**options)
     traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)

@@ -1,0 +1,94 @@
+"""Gradient accumulation (issue 17, part 3, the step): a global batch run as m microbatches trains
+as the whole batch does, with less activation memory."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import osdp_jax
+import toy
+from osdp_jax._strategies import spec_for
+
+
+def _mixed(params, mesh):
+    """Kernels zero3, embeddings zero2, the rest replicated."""
+    infos = osdp_jax.describe(params)
+    specs = {i.path: spec_for(i, "zero3", ("data",), 8) for i in infos if i.path.endswith("kernel")}
+    zero2 = [i.path for i in infos if i.path.endswith("embedding") and spec_for(i, "zero3", ("data",), 8)]
+    return osdp_jax.Layout.from_specs(params, mesh, {k: v for k, v in specs.items() if v is not None}, zero2=zero2)
+
+
+def _run(params, loss_fn, layout, mesh, batch, m, steps=3):
+    opt = optax.adam(1e-2)
+    p = osdp_jax.shard(params, mesh, layout)
+    o = osdp_jax.init_opt_state(opt, p, layout, mesh)
+    step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh, microbatches=m)
+    losses = []
+    for _ in range(steps):
+        p, o, loss = step(p, o, batch)
+        losses.append(float(loss))
+    return losses, p
+
+
+def test_microbatches_train_like_the_whole_batch_with_less_memory(mesh):
+    params, loss_fn = toy.linen_setup(boxed=False)
+    batch = toy.tokens(64)
+    layout = _mixed(params, mesh)
+    assert {pl.strategy for pl in layout.params} == {"replicate", "zero3", "zero2"}
+    whole, p1 = _run(params, loss_fn, layout, mesh, batch, 1)
+    accumulated, p4 = _run(params, loss_fn, layout, mesh, batch, 4)
+    np.testing.assert_allclose(accumulated, whole, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1)):
+        # summation order moves Adam's step on near-zero gradients (toy.assert_matches_single_device)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    opt = optax.adam(1e-2)
+    peaks = {m: osdp_jax.profile_compiled(osdp_jax.compile_step(loss_fn, opt, params, batch, mesh, layout,
+                                                                 microbatches=m)).temp_bytes for m in (1, 4)}
+    assert peaks[4] < peaks[1], peaks
+
+
+def test_bad_microbatches_are_one_clear_error(mesh):
+    params, loss_fn = toy.linen_setup(boxed=False)
+    layout = osdp_jax.Layout.ddp(params, mesh)
+    with pytest.raises(ValueError, match="microbatches must be a positive integer"):
+        osdp_jax.make_train_step(loss_fn, optax.sgd(0.1), layout, mesh, microbatches=0)
+    with pytest.raises(ValueError, match="not with|not supported"):
+        osdp_jax.make_train_step(loss_fn, optax.sgd(0.1), layout, mesh, microbatches=2, state=True)
+    step = osdp_jax.make_train_step(loss_fn, optax.sgd(0.1), layout, mesh, microbatches=3)
+    p = osdp_jax.shard(params, mesh, layout)
+    with pytest.raises(ValueError, match="not divisible into 3 microbatches"):
+        step(p, osdp_jax.init_opt_state(optax.sgd(0.1), p, layout, mesh), toy.tokens(32))
+    from experiments import config
+    assert config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "1,2"}).plan.microbatches == (1, 2)
+    with pytest.raises(config.ConfigError, match="plan.microbatches: give positive integers"):
+        config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "0"})
+    with pytest.raises(config.ConfigError, match="splits into the mesh's 8 devices x any of"):
+        config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "3", "plan.batch_sizes": "32"})
+
+
+def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh):
+    """At the one batch size asked for, no plan of replicate/zero3/hsdp fits the budget; with
+    microbatches the planner runs it as m microbatches, which fits by XLA, is predicted within
+    10%, and trains (the plan's microbatches reach the step)."""
+    _, params, loss_fn, batch = toy.stack_setup(n_layer=2, batch=128)
+    opt = optax.adam(1e-3)
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, batch_sizes=(128,), splits=(1,), remat=("full",))
+    fsdp = osdp_jax.plan(params, mesh, budget="4GB", strategies=("zero3",), **kw)
+    budget = int(0.8 * fsdp.xla_peak_bytes)
+    with pytest.raises(osdp_jax.InfeasibleBudgetError):
+        osdp_jax.plan(params, mesh, budget=budget, **kw)
+    plan = osdp_jax.plan(params, mesh, budget=budget, microbatches=(1, 2, 4), **kw)
+    assert plan.batch_size == 128 and plan.microbatches > 1, plan.summary()
+    assert plan.xla_peak_bytes <= budget
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, plan.summary()
+    assert "microbatches" in plan.summary()
+    again = osdp_jax.Plan.from_json(plan.to_json())
+    assert again.microbatches == plan.microbatches
+    _, real, _, real_batch = toy.stack_setup(n_layer=2, batch=128, abstract=False)
+    p = osdp_jax.shard(real, mesh, plan)
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+    _, _, loss = step(p, osdp_jax.init_opt_state(opt, p, plan, mesh),
+                      jax.device_put(real_batch, osdp_jax.batch_sharding(mesh, plan)))
+    assert np.isfinite(float(loss)) and step.reused  # the verified, accumulating step ran
+    with pytest.raises(ValueError, match="microbatches must be positive integers"):
+        osdp_jax.plan(params, mesh, budget=budget, microbatches=(0,), **kw)
