@@ -455,6 +455,7 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
                    xla_peak_bytes=plan.xla_peak_bytes,
                    predicted_samples_per_second=plan.predicted_samples_per_second,
                    counts=plan.counts(), splits=plan.splits_by_path, segments=segments_text(plan),
+                   microbatches=plan.microbatches,
                    predicted_step_seconds=plan.predicted_step_seconds,
                    predicted_collective_seconds=plan.predicted_collective_seconds)
         if trainable and measure_steps > 0:
@@ -504,7 +505,8 @@ def comparison_markdown(s: Setup, rows) -> str:
             continue
         meas = r.get("measured_samples_per_second")
         splits = ", ".join(f"{p.removesuffix('/kernel')} k={k}" for p, k in r.get("splits", {}).items()) or "-"
-        lines.append(f"| {r['method']} | yes | {r['batch_size']} | {r['counts']} | {splits} | {r.get('segments', '-')} "
+        batch = f"{r['batch_size']}" + (f" ({r['microbatches']} microbatches)" if r.get("microbatches", 1) > 1 else "")
+        lines.append(f"| {r['method']} | yes | {batch} | {r['counts']} | {splits} | {r.get('segments', '-')} "
                      f"| {f(r['predicted_peak_bytes'])} "
                      f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
                      f"| {f'{meas:.1f}' if meas else 'not measured'} |")
