@@ -65,3 +65,18 @@ def test_zero2_is_opt_in_and_bad_uses_are_one_clear_error(mesh):
     assert cfg.plan.strategies == ("replicate", "zero2")
     with pytest.raises(ValueError, match="zero2"):
         config.load("experiments/gpt2_mini.toml", {"plan.strategies": "replicate,zero5"})
+
+
+def test_zero2_on_a_2d_mesh_trains_like_one_device():
+    """On a 2 x 4 mesh the gradient is reduce-scattered over both axes, the state sharded over
+    both, and training equals one device."""
+    mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    params, loss_fn = toy.linen_setup(boxed=False)
+    batch, opt = toy.tokens(32), optax.adam(1e-2)
+    kernels = [i.path for i in osdp_jax.describe(params) if i.path.endswith("kernel")]
+    layout = osdp_jax.Layout.from_specs(params, mesh, {}, zero2=kernels)
+    losses, sharded, state = toy.sharded_run(params, loss_fn, opt, layout, mesh, batch, 3)
+    mu = osdp_jax.flat_params(state[0].mu)
+    assert all(mu[k].sharding.spec == P(("replica", "data")) for k in kernels)
+    assert all(osdp_jax.flat_params(sharded)[k].sharding.is_fully_replicated for k in kernels)
+    toy.assert_matches_single_device(losses, sharded, params, loss_fn, opt, batch, rtol=1e-5)
