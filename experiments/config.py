@@ -20,6 +20,8 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     preset: str = ""  # a name from models.PRESETS, e.g. "gpt2-mini"
+    compute_dtype: str = ""  # e.g. "bfloat16": layers compute in it, parameters stay float32 ("": float32);
+    #                          the plan then gathers sharded parameters in it too (plan.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +141,11 @@ def _check(cfg: ExperimentConfig):
         _fail("plan.microbatches", f"no batch size of {list(cfg.plan.batch_sizes)} splits into the mesh's {n} "
                                    f"devices x any of {list(cfg.plan.microbatches)} microbatches")
     from osdp_jax._layout import check_dtype
-    try:
-        check_dtype(cfg.plan.compute_dtype)
-    except ValueError as e:
-        _fail("plan.compute_dtype", str(e))
+    for where, value in (("plan.compute_dtype", cfg.plan.compute_dtype), ("model.compute_dtype", cfg.model.compute_dtype)):
+        try:
+            check_dtype(value)
+        except ValueError as e:
+            _fail(where, str(e))
     from osdp_jax.layers import REMAT_POLICIES
     if not cfg.plan.remat:
         _fail("plan.remat", f"give at least one remat policy of {list(REMAT_POLICIES)}")

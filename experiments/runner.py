@@ -98,6 +98,9 @@ def make_task(cfg: ExperimentConfig, model_cfg, objective):
 
 def setup(cfg: ExperimentConfig) -> Setup:
     module, model_cfg, objective = models.get(cfg.model.preset)
+    if cfg.model.compute_dtype:  # mixed precision: compute in it, float32 masters
+        model_cfg = dataclasses.replace(model_cfg, compute_dtype=cfg.model.compute_dtype)
+        module = type(module)(model_cfg)
     task, seq_len = make_task(cfg, model_cfg, objective)
     n = math.prod(cfg.mesh.shape)
     if len(jax.devices()) < n:
@@ -119,7 +122,7 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
         per_layer=p.per_layer if per_layer is None else per_layer,
         units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat,
-        compute_dtype=p.compute_dtype or None,
+        compute_dtype=p.compute_dtype or s.cfg.model.compute_dtype or None,
         # the config's microbatch counts for its own space; a method with its strategies fixed
         # (DDP, FSDP, ZeRO-2, OSDP as the original) runs the whole batch at once
         microbatches=p.microbatches if strategies is None else (1,))

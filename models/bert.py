@@ -28,18 +28,18 @@ class BERT(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         cfg = self.config
-        dt = cfg.param_dtype
+        dt, cd = cfg.param_dtype, cfg.compute
         init = nn.initializers.normal(0.02)
         t = tokens.shape[1]
-        word = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dt, param_dtype=dt,
+        word = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=cd, param_dtype=dt,
                         name="word_embeddings")
         positions = self.param("position_embeddings", init, (cfg.max_len, cfg.d_model), dt)
         token_type = self.param("token_type_embeddings", init, (2, cfg.d_model), dt)
-        x = word(tokens) + positions[:t] + token_type[0]
-        x = nn.LayerNorm(dtype=dt, param_dtype=dt, name="embeddings_ln")(x)
+        x = word(tokens) + positions[:t].astype(cd) + token_type[0].astype(cd)
+        x = nn.LayerNorm(dtype=cd, param_dtype=dt, name="embeddings_ln")(x)
         x = Stack(cfg, name="encoder")(x)
         # MLM head: transform, then the tied decoder plus its own bias
-        x = nn.Dense(cfg.d_model, kernel_init=init, dtype=dt, param_dtype=dt, name="mlm_dense")(x)
-        x = nn.LayerNorm(dtype=dt, param_dtype=dt, name="mlm_ln")(jax.nn.gelu(x))
+        x = nn.Dense(cfg.d_model, kernel_init=init, dtype=cd, param_dtype=dt, name="mlm_dense")(x)
+        x = nn.LayerNorm(dtype=cd, param_dtype=dt, name="mlm_ln")(jax.nn.gelu(x))
         bias = self.param("mlm_bias", nn.initializers.zeros, (cfg.vocab_size,), dt)
-        return (word.attend(x) + bias).astype(jnp.float32)
+        return (word.attend(x) + bias.astype(cd)).astype(jnp.float32)

@@ -30,7 +30,8 @@ class TransformerConfig:
     causal: bool = True
     pre_ln: bool = True  # GPT-2/OPT put LayerNorm before each sub-layer, BERT after
     activation: str = "gelu"  # "gelu" or "relu"
-    dtype: str = "float32"  # parameter and compute dtype
+    dtype: str = "float32"  # parameter dtype (the masters)
+    compute_dtype: str = ""  # the dtype layers compute in, e.g. "bfloat16" ("": the parameter dtype)
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -45,21 +46,27 @@ class TransformerConfig:
     def param_dtype(self):
         return jnp.dtype(self.dtype)
 
+    @property
+    def compute(self):
+        """The compute dtype: ``compute_dtype``, else the parameter dtype."""
+        return jnp.dtype(self.compute_dtype or self.dtype)
 
-def attention(x, qkv_kernel, qkv_bias, out_kernel, out_bias, n_head: int, causal: bool):
-    """Multi-head self-attention in plain JAX: ``x`` (B, T, D) -> (B, T, D).
+
+def attention(x, qkv_kernel, qkv_bias, out_kernel, out_bias, n_head: int, causal: bool, dtype=None):
+    """Multi-head self-attention in plain JAX: ``x`` (B, T, D) -> (B, T, D), computed in ``dtype``
+    (default: the inputs' and kernels' common type).
 
     The projections go through ``osdp_jax.split.dense``, so a plan may split their kernels.
     """
     b, t, d = x.shape
-    q, k, v = jnp.split(osdp_jax.split.dense(x, qkv_kernel, qkv_bias), 3, axis=-1)
+    q, k, v = jnp.split(osdp_jax.split.dense(x, qkv_kernel, qkv_bias, dtype=dtype), 3, axis=-1)
     q, k, v = (y.reshape(b, t, n_head, d // n_head) for y in (q, k, v))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // n_head).astype(x.dtype)
     if causal:
         scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(scores.dtype).min)
     att = jax.nn.softmax(scores, axis=-1)
     y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d)
-    return osdp_jax.split.dense(y, out_kernel, out_bias)
+    return osdp_jax.split.dense(y, out_kernel, out_bias, dtype=dtype)
 
 
 class Block(nn.Module):
@@ -70,21 +77,22 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        dt = cfg.param_dtype
+        dt, cd = cfg.param_dtype, cfg.compute
         init = nn.initializers.normal(0.02)
         d = cfg.d_model
         qkv_k = self.param("qkv_kernel", init, (d, 3 * d), dt)
         qkv_b = self.param("qkv_bias", nn.initializers.zeros, (3 * d,), dt)
         out_k = self.param("out_kernel", init, (d, d), dt)
         out_b = self.param("out_bias", nn.initializers.zeros, (d,), dt)
-        ln1 = nn.LayerNorm(dtype=dt, param_dtype=dt, name="ln1")
-        ln2 = nn.LayerNorm(dtype=dt, param_dtype=dt, name="ln2")
+        ln1 = nn.LayerNorm(dtype=cd, param_dtype=dt, name="ln1")
+        ln2 = nn.LayerNorm(dtype=cd, param_dtype=dt, name="ln2")
         act = jax.nn.gelu if cfg.activation == "gelu" else jax.nn.relu
-        fc1 = nn.Dense(cfg.d_ff, kernel_init=init, dtype=dt, param_dtype=dt, name="fc1")
-        fc2 = nn.Dense(d, kernel_init=init, dtype=dt, param_dtype=dt, name="fc2")
+        fc1 = nn.Dense(cfg.d_ff, kernel_init=init, dtype=cd, param_dtype=dt, name="fc1")
+        fc2 = nn.Dense(d, kernel_init=init, dtype=cd, param_dtype=dt, name="fc2")
 
         def attn(h):
-            return attention(h, qkv_k, qkv_b, out_k, out_b, cfg.n_head, cfg.causal)
+            return attention(h, qkv_k, qkv_b, out_k, out_b, cfg.n_head, cfg.causal,
+                             cd if cfg.compute_dtype else None)
 
         if cfg.pre_ln:
             x = x + attn(ln1(x))

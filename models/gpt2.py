@@ -30,13 +30,13 @@ class GPT2(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         cfg = self.config
-        dt = cfg.param_dtype
+        dt, cd = cfg.param_dtype, cfg.compute
         init = nn.initializers.normal(0.02)
         t = tokens.shape[1]
-        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dt, param_dtype=dt, name="wte")
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=cd, param_dtype=dt, name="wte")
         wpe = self.param("wpe", init, (cfg.max_len, cfg.d_model), dt)
-        x = wte(tokens) + wpe[:t]
+        x = wte(tokens) + wpe[:t].astype(cd)
         x = Stack(cfg, name="blocks")(x)
-        x = nn.LayerNorm(dtype=dt, param_dtype=dt, name="ln_f")(x)
-        return nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=init, dtype=dt, param_dtype=dt,
+        x = nn.LayerNorm(dtype=cd, param_dtype=dt, name="ln_f")(x)
+        return nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=init, dtype=cd, param_dtype=dt,
                         name="lm_head")(x).astype(jnp.float32)

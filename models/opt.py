@@ -29,13 +29,13 @@ class OPT(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         cfg = self.config
-        dt = cfg.param_dtype
+        dt, cd = cfg.param_dtype, cfg.compute
         init = nn.initializers.normal(0.02)
         t = tokens.shape[1]
-        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dt, param_dtype=dt,
+        embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=cd, param_dtype=dt,
                          name="embed_tokens")
         positions = self.param("embed_positions", init, (cfg.max_len + POSITION_OFFSET, cfg.d_model), dt)
-        x = embed(tokens) + positions[POSITION_OFFSET:POSITION_OFFSET + t]
+        x = embed(tokens) + positions[POSITION_OFFSET:POSITION_OFFSET + t].astype(cd)
         x = Stack(cfg, name="layers")(x)
-        x = nn.LayerNorm(dtype=dt, param_dtype=dt, name="final_layer_norm")(x)
+        x = nn.LayerNorm(dtype=cd, param_dtype=dt, name="final_layer_norm")(x)
         return embed.attend(x).astype(jnp.float32)

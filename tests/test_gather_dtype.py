@@ -83,3 +83,31 @@ def test_bad_compute_dtype_is_one_clear_error(mesh):
     with pytest.raises(ValueError, match="compute_dtype"):
         config.load("experiments/gpt2_mini.toml", {"plan.compute_dtype": "int8"})
     assert config.load("experiments/gpt2_mini.toml", {"plan.compute_dtype": "bfloat16"}).plan.compute_dtype == "bfloat16"
+
+
+def test_models_compute_in_bfloat16_on_float32_masters(monkeypatch):
+    """``model.compute_dtype = "bfloat16"`` (the models' mixed-precision setting): float32
+    parameters, bfloat16 matmuls, a float32 loss close to float32 compute's; the plan gathers in
+    bfloat16 too."""
+    import dataclasses
+
+    import models
+    from experiments import runner
+    module, cfg, _ = models.get("gpt2-mini")
+    params = models.init_params(module, 16, seed=0)
+    batch = toy.lm_batch(cfg.vocab_size, 8, 16)
+    half = type(module)(dataclasses.replace(cfg, compute_dtype="bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(models.init_params(half, 16, seed=0))} == {jnp.dtype("float32")}
+    text = jax.jit(models.make_loss(half)).lower(params, batch).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and all(line.rstrip().endswith("bf16>") for line in dots), dots[:2]
+    full, mixed = models.make_loss(module)(params, batch), models.make_loss(half)(params, batch)
+    assert mixed.dtype == jnp.float32 and abs(float(mixed) - float(full)) <= 2e-2 * abs(float(full))
+    s = runner.setup(config.load("experiments/gpt2_mini.toml", {"model.compute_dtype": "bfloat16"}))
+    assert s.module.config.compute_dtype == "bfloat16"
+    seen = {}
+    monkeypatch.setattr(osdp_jax, "plan", lambda *a, **kw: seen.update(kw))
+    runner.make_plan(s)
+    assert seen["compute_dtype"] == "bfloat16"
+    with pytest.raises(config.ConfigError, match="model.compute_dtype"):
+        config.load("experiments/gpt2_mini.toml", {"model.compute_dtype": "int4"})
