@@ -52,14 +52,18 @@ per-layer kernel at its largest k.
 
 *zero2* (the gradient reduce-scattered as it is produced, the update on the shard, the new
 shards all-gathered into the output): a per-step zero2 parameter leaves the R pool and holds
-xi p_i of temp instead. xi is fitted on a probe with every shardable per-step parameter zero2
-(``temp_2 = temp_R - (1 + rho) Z2_T + xi Z2_T``), taken only when the search may choose zero2;
-measured (``experiments/benchmarks/zero2_memory.py``), it is about 0.2 on a 2-layer MLP (the
-full-size gradients never all alive: temp 46 KiB vs 512 KiB replicated) and about 2 on the
-einsum LM of experiments/benchmarks/foreign.py (2,261 vs 2,270 KiB: the gradients alive beside
-the activations either way); uncalibrated, 1 + rho (replication's). A per-layer or unit
-parameter made zero2 keeps its temp (its gradient accumulates whole in the loop as replicated;
-gpt2-mini's stack: 1,712 vs 1,717 KiB).
+xi p_i of temp instead, xi = max(1 + rho, fitted). The fit is on a probe with every shardable
+per-step parameter zero2 (``temp_2 = temp_R - (1 + rho) Z2_T + xi Z2_T``), taken only when the
+search may choose zero2. Measured (``experiments/benchmarks/zero2_memory.py``), the fit is about
+0.2 on a 2-layer MLP (the full-size gradients never all alive: temp 46 KiB vs 512 KiB replicated)
+and about 2 on the einsum LM of experiments/benchmarks/foreign.py (2,261 vs 2,270 KiB). It is not
+used below 1 + rho: in that probe the zero2 gradients can hide behind the replicated stacks'
+gradient buffers, which a plan with zero3 stacks no longer has. On OPT-30B-8L a fitted xi
+predicted a plan with a zero2 embedding 9% under XLA's peak (12.44 vs 13.67 GiB), and the
+verification then pushed the search to a plan at half OSDP's throughput. So zero2 is charged at
+least what replication is, and over-predicted where its gradients never coexist (the MLP). A
+per-layer or unit parameter made zero2 keeps its temp (its gradient accumulates whole in the loop
+as replicated; gpt2-mini's stack: 1,712 vs 1,717 KiB).
 
 (rho = 1.) As ``(1 - omega) max(A, B) + omega (A + B)``, the search is a two-pool knapsack
 (``_search.solve_pools``), solved exactly.
@@ -162,8 +166,8 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     z_unit = p[can_shard & unit].sum() if unit is not None else 0.0
     unit_flops = max(0.0, (per_layer.flops - replicate.flops) / z_unit) if per_layer and z_unit else 0.0
     xi = 1 + RHO
-    if zero2 is not None and top_sh:
-        xi = max(0.0, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
+    if zero2 is not None and top_sh:  # never under replication's charge (see the module docstring)
+        xi = max(1 + RHO, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
     return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi)
 
 

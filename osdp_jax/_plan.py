@@ -215,7 +215,7 @@ class Plan:
                           f"{shown}"]
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
-        minor = [pp for pp in self.params if pp.strategy != "replicate"
+        minor = [pp for pp in self.params if pp.strategy in ("zero3", "hsdp")
                  and sharded_dim(pp.spec) > (1 if pp.in_loop else 0)]
         if minor:
             pp = minor[0]
