@@ -120,7 +120,7 @@ def _check(cfg: ExperimentConfig):
     if bad:
         _fail("plan.batch_sizes", f"{bad[0]} is not a positive multiple of the mesh's {n} devices")
     from osdp_jax import PRESETS, parse_bytes
-    from osdp_jax.strategies import check_splits, check_strategies
+    from osdp_jax.strategies import check_microbatches, check_splits, check_strategies
     try:
         parse_bytes(cfg.plan.budget)
     except ValueError as e:
@@ -133,13 +133,10 @@ def _check(cfg: ExperimentConfig):
         check_splits(cfg.plan.splits)
     except ValueError as e:
         _fail("plan.splits", str(e))
-    bad = [m for m in cfg.plan.microbatches if isinstance(m, bool) or not isinstance(m, int) or m < 1]
-    if bad or not cfg.plan.microbatches:
-        _fail("plan.microbatches", f"give positive integers such as [1, 2, 4, 8] ([1]: no gradient accumulation), "
-                                   f"got {list(cfg.plan.microbatches)}")
-    if not any(b % (n * m) == 0 for b in cfg.plan.batch_sizes for m in cfg.plan.microbatches):
-        _fail("plan.microbatches", f"no batch size of {list(cfg.plan.batch_sizes)} splits into the mesh's {n} "
-                                   f"devices x any of {list(cfg.plan.microbatches)} microbatches")
+    try:
+        check_microbatches(cfg.plan.microbatches, cfg.plan.batch_sizes, n)
+    except ValueError as e:
+        _fail("plan.microbatches", str(e))
     from osdp_jax._layout import check_dtype
     for where, value in (("plan.compute_dtype", cfg.plan.compute_dtype), ("model.compute_dtype", cfg.model.compute_dtype)):
         try:

@@ -26,7 +26,7 @@ from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
 from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
-from ._strategies import DEFAULT_SPLITS, axes_size, check_splits, check_strategies, data_axes
+from ._strategies import DEFAULT_SPLITS, axes_size, check_microbatches, check_splits, check_strategies, data_axes
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
 from .runtime.step import compile_count, profile_step
@@ -105,7 +105,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     one = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
                             abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
                             start=start)
-    counts = _microbatches(o.microbatches, batches, axes_size(mesh, axes), o.loss_fn)
+    # the counts some batch size splits into; without a loss function nothing is accumulated
+    counts = check_microbatches(o.microbatches, None if o.loss_fn is None else batches, axes_size(mesh, axes))
+    counts = counts if o.loss_fn is not None else (1,)
 
     def run(p):
         return _fastest([functools.partial(one, p, m=m) for m in counts], start)
@@ -117,22 +119,6 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     best = _fastest([functools.partial(run, p) for p in (problem, dataclasses.replace(problem, units={}))], start)
     log.info("units: %s", "used" if best.units else "not used")
     return best
-
-
-def _microbatches(counts, batches: dict, n: int, loss_fn) -> tuple[int, ...]:
-    """The microbatch counts to try: those some global batch size splits into (devices x m)."""
-    counts = (counts,) if isinstance(counts, int) else tuple(counts)
-    bad = [m for m in counts if isinstance(m, bool) or not isinstance(m, int) or m < 1]
-    if bad or not counts:
-        raise ValueError(f"microbatches must be positive integers such as (1, 2, 4, 8) ((1,): no gradient "
-                         f"accumulation), got {counts!r}")
-    if loss_fn is None:
-        return (1,)
-    usable = tuple(m for m in sorted(set(counts)) if any(b % (n * m) == 0 for b in batches))
-    if not usable:
-        raise ValueError(f"no batch size of {sorted(batches)} splits into {n} devices x any of microbatches "
-                         f"{list(counts)}: use batch sizes divisible by devices x microbatches")
-    return usable
 
 
 def _fastest(runs, start) -> Plan:

@@ -45,6 +45,24 @@ def check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:
     return strategies
 
 
+def check_microbatches(counts, batch_sizes=None, n: int = 1) -> tuple[int, ...]:
+    """Validate gradient-accumulation counts: positive integers, e.g. ``(1, 2, 4, 8)``; ``(1,)`` =
+    off. With ``batch_sizes`` (global) and ``n`` data-parallel devices, the counts some batch size
+    splits into (n x m examples), sorted; a ``ValueError`` when there is none."""
+    counts = (counts,) if isinstance(counts, int) else tuple(counts)
+    bad = [m for m in counts if isinstance(m, bool) or not isinstance(m, int) or m < 1]
+    if bad or not counts:
+        raise ValueError(f"microbatches must be positive integers such as [1, 2, 4, 8] ([1]: no gradient "
+                         f"accumulation), got {list(counts)}")
+    if batch_sizes is None:
+        return tuple(sorted(set(counts)))
+    usable = tuple(m for m in sorted(set(counts)) if any(b % (n * m) == 0 for b in batch_sizes))
+    if not usable:
+        raise ValueError(f"no batch size of {sorted(batch_sizes)} splits into {n} devices x any of microbatches "
+                         f"{list(counts)}: use batch sizes divisible by devices x microbatches")
+    return usable
+
+
 def check_splits(splits) -> tuple[int, ...]:
     """Validate candidate split counts: positive integers, e.g. ``(1, 2, 4, 8)``; ``(1,)`` = off."""
     if isinstance(splits, int):

@@ -1,4 +1,5 @@
 """Strategy names and split counts, and their validation (public)."""
-from ._strategies import DEFAULT_SPLITS, DEFAULT_STRATEGIES, STRATEGIES, check_splits, check_strategies
+from ._strategies import (DEFAULT_SPLITS, DEFAULT_STRATEGIES, STRATEGIES, check_microbatches, check_splits,
+                          check_strategies)
 
-__all__ = ["DEFAULT_SPLITS", "DEFAULT_STRATEGIES", "STRATEGIES", "check_splits", "check_strategies"]
+__all__ = ["DEFAULT_SPLITS", "DEFAULT_STRATEGIES", "STRATEGIES", "check_microbatches", "check_splits", "check_strategies"]

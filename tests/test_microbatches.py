@@ -60,9 +60,9 @@ def test_bad_microbatches_are_one_clear_error(mesh):
         step(p, osdp_jax.init_opt_state(optax.sgd(0.1), p, layout, mesh), toy.tokens(32))
     from experiments import config
     assert config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "1,2"}).plan.microbatches == (1, 2)
-    with pytest.raises(config.ConfigError, match="plan.microbatches: give positive integers"):
+    with pytest.raises(config.ConfigError, match=r"plan.microbatches: microbatches must be positive integers"):
         config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "0"})
-    with pytest.raises(config.ConfigError, match="splits into the mesh's 8 devices x any of"):
+    with pytest.raises(config.ConfigError, match=r"plan.microbatches: no batch size of \[32\] splits into 8 devices x any of"):
         config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "3", "plan.batch_sizes": "32"})
 
 
