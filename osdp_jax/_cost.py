@@ -101,6 +101,7 @@ import optax
 
 from ._describe import ParamInfo
 from ._hardware import Hardware
+from ._strategies import GATHERED
 from ._xla import StepProfile
 
 GATHERS_PER_STEP = 1  # all-gathers of one zero3 weight per step in _train.py
@@ -251,7 +252,7 @@ def comm_seconds(nbytes: float, strategy: str, hw: Hardware, topo: Topology | in
         return hw.all_reduce(nbytes, n, axes)
     if strategy == "zero2":  # reduce-scatter the gradient, all-gather the updated shards
         return 2 * _gather_seconds(hw, topo, nbytes, "zero3", False)
-    if strategy not in ("zero3", "hsdp"):
+    if strategy not in GATHERED:
         raise ValueError(f"unknown strategy {strategy!r}")
     times = max(layers, 1) * split
     gathers = 2 if (layers or split > 1) else GATHERS_PER_STEP
@@ -365,13 +366,13 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]
         for i in np.flatnonzero(ok):
-            moved = p[i] * (gather_ratio[i] if gather_ratio is not None and name in ("zero3", "hsdp") else 1.0)
+            moved = p[i] * (gather_ratio[i] if gather_ratio is not None and name in GATHERED else 1.0)
             flat = comm_seconds(moved, name, hw, topo, int(layers[i]), k)
             staged = (comm_seconds(moved, name, hw, topo, int(layers[i]), k, two_stage=True)
                       if name == "zero3" and len(topo.sizes) > 1 else np.inf)
             two_stage[i, s] = staged < flat
             time[i, s] = cal.comm_scale * min(flat, staged)
-            if unit[i] and name in ("zero3", "hsdp") and calibration is not None:
+            if unit[i] and name in GATHERED and calibration is not None:
                 time[i, s] += cal.compute_scale * cal.unit_flops * p[i] / hw.flops
     if overlap:  # max(A, B) + overlap * min(A, B) = (1 - overlap) max(A, B) + overlap (A + B)
         mem += overlap * pools.sum(axis=2)

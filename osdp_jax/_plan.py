@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._layout import Layout, ParamLayout, one_segment
 from ._stack import Segment
-from ._strategies import sharded_dim
+from ._strategies import GATHERED, sharded_dim
 from ._units import format_bytes
 
 PLAN_FORMAT = 5  # 5 adds the zero2 strategy and gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels;
@@ -215,7 +215,7 @@ class Plan:
                           f"{shown}"]
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
-        minor = [pp for pp in self.params if pp.strategy in ("zero3", "hsdp")
+        minor = [pp for pp in self.params if pp.strategy in GATHERED
                  and sharded_dim(pp.spec) > (1 if pp.in_loop else 0)]
         if minor:
             pp = minor[0]

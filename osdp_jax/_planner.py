@@ -26,7 +26,8 @@ from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
 from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
-from ._strategies import DEFAULT_SPLITS, axes_size, check_microbatches, check_splits, check_strategies, data_axes
+from ._strategies import (DEFAULT_SPLITS, GATHERED, axes_size, check_microbatches, check_splits, check_strategies,
+                          data_axes)
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
 from .runtime.step import compile_count, profile_step
@@ -152,7 +153,7 @@ def _accumulated(t, m: int, problem: Problem):
     time_, mem = t.time.copy(), t.mem.copy()
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     for c, (strategy, _) in enumerate(t.columns):
-        if strategy in ("zero3", "hsdp"):
+        if strategy in GATHERED:
             time_[:, c] *= m
         mem[:, c] += p / {"zero3": problem.n, "hsdp": problem.topo.inner}.get(strategy, 1)
     return dataclasses.replace(t, time=time_, mem=mem, base_time=t.base_time * m)
@@ -403,7 +404,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
             pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=head.strategy,
                                  spec=head.spec, nbytes=i.nbytes, in_loop=True, split=head.split,
                                  two_stage=head.two_stage, dense=i.path in problem.dense, segments=s,
-                                 gather_dtype=problem.compute_dtype if any(x.strategy in ("zero3", "hsdp") for x in s)
+                                 gather_dtype=problem.compute_dtype if any(x.strategy in GATHERED for x in s)
                                  else ""))
             continue
         c = whole[k]
@@ -411,8 +412,8 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
         pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=strategy,
                              spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
                              split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
-                             unit=problem.units.get(i.path, "") if strategy in ("zero3", "hsdp") and split == 1 else "",
-                             gather_dtype=problem.compute_dtype if strategy in ("zero3", "hsdp") else ""))
+                             unit=problem.units.get(i.path, "") if strategy in GATHERED and split == 1 else "",
+                             gather_dtype=problem.compute_dtype if strategy in GATHERED else ""))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,

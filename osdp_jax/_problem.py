@@ -20,7 +20,7 @@ from ._describe import ParamInfo, describe
 from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
 from ._stack import check_remat
-from ._strategies import axes_size, sharded_dim, spec_for
+from ._strategies import GATHERED, axes_size, sharded_dim, spec_for
 from ._unit_policy import from_found
 
 log = logging.getLogger("osdp_jax")
@@ -145,7 +145,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
     names = strategies if "replicate" in strategies else (*strategies, "replicate")
-    sharded = [s for s in ("zero3", "hsdp") if s in strategies]
+    sharded = [s for s in GATHERED if s in strategies]
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
                       in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),

@@ -28,6 +28,7 @@ from ._describe import ParamInfo
 
 STRATEGIES = ("replicate", "zero3", "hsdp", "zero2")
 DEFAULT_STRATEGIES = ("replicate", "zero3", "hsdp")  # the original OSDP's space: strategies=None
+GATHERED = ("zero3", "hsdp")  # the strategies that store a shard and gather the weight for use
 DEFAULT_SPLITS = (1, 2, 4, 8)  # operator-splitting slice counts the search considers
 
 
@@ -120,7 +121,7 @@ def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int, in_loo
         return P()
     if strategy == "zero2":  # stored whole; only its gradient and optimizer state are sharded
         return P() if spec_for(info, "zero3", axes, n, in_loop) is not None else None
-    if strategy in ("zero3", "hsdp"):
+    if strategy in GATHERED:
         if strategy == "hsdp" and (len(axes) < 2 or inner is None):
             return None
         over, size = (axes, n) if strategy == "zero3" else ((axes[-1],), inner)
