@@ -344,12 +344,12 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     # all-replicate temp less the per-step parameters' share that the plan changes
     base_mem = (r.argument_bytes - (p + o).sum() + r.output_bytes - r.alias_bytes
                 + r.temp_bytes - (1 + RHO) * p[~loop].sum())
-    columns = tuple((c, 1) if isinstance(c, str) else tuple(c) for c in columns)
+    columns = tuple((c, 1) if isinstance(c, str) else tuple(c) for c in columns)  # (strategy, k[, accumulate])
     mem = np.full((len(infos), len(columns)), np.inf)
     pools = np.zeros((len(infos), len(columns), 2))
     time = np.full_like(mem, np.inf)
     two_stage = np.zeros(mem.shape, dtype=bool)
-    for s, (name, k) in enumerate(columns):
+    for s, (name, k, *_) in enumerate(columns):  # a column's accumulate matters with microbatches only
         ok = available[:, s]
         top, per_layer = ok & ~loop, ok & loop
         if name == "replicate":

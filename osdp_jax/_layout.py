@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from ._describe import describe, path_name
 from ._stack import Segment, Segmented, check_remat, check_segments, cut, is_segmented
-from ._strategies import axes_size, axis_entry, data_axes, sharded_dim, spec_for, state_spec_for
+from ._strategies import (GATHERED, accumulation, axes_size, axis_entry, data_axes, sharded_dim, spec_for,
+                          state_spec_for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,14 @@ class ParamLayout:
     #                 in the backward pass; "" gathers it once per step
     gather_dtype: str = ""  # a sharded parameter gathered in this dtype (its shard, master and optimizer
     #                         state stay in its own); "": its own dtype
+    accumulate: str = ""  # with microbatches, where its gradient is summed: "shard" or "whole" (a zero3/hsdp
+    #                       weight then gathered once per step, kept); "": its strategy's default
+    #                       (osdp_jax._strategies.accumulation)
+
+    @property
+    def kept(self) -> bool:
+        """A sharded weight gathered once per step and kept across microbatches (accumulated whole)."""
+        return self.strategy in GATHERED and accumulation(self.strategy, self.accumulate) == "whole"
 
     @property
     def segmented(self) -> bool:
@@ -153,7 +162,8 @@ class Layout:
     @classmethod
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
                    dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
-                   units=None, unit_remat: str = "full", zero2=(), gather_dtype: str | None = None) -> "Layout":
+                   units=None, unit_remat: str = "full", zero2=(), gather_dtype: str | None = None,
+                   accumulate=None) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -169,7 +179,10 @@ class Layout:
         gradient and optimizer state are sharded (``osdp_jax.strategies``: ZeRO-2). ``gather_dtype``
         (e.g. ``"bfloat16"``): every sharded parameter is gathered in that dtype, its gradient
         reduce-scattered in it; the stored shard, its update and its optimizer state keep the
-        parameter's dtype."""
+        parameter's dtype. ``accumulate``: path -> ``"shard"`` or ``"whole"``, where the gradient
+        is summed across microbatches (``make_train_step(microbatches=)``; ``osdp_jax.strategies``):
+        ``"whole"`` keeps a zero3/hsdp weight gathered across them, ``"shard"`` reduce-scatters a
+        zero2 gradient in each."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -185,6 +198,10 @@ class Layout:
             if unknown:
                 raise KeyError(f"{what} name parameters the params do not have: {unknown[:3]}")
         gather_dtype = check_dtype(gather_dtype, "gather_dtype")
+        accumulate = dict(accumulate or {})
+        unknown = sorted(set(accumulate) - {i.path for i in infos})
+        if unknown:
+            raise KeyError(f"accumulate names parameters the params do not have: {unknown[:3]}")
         zero2 = set(zero2)
         unknown = sorted(zero2 - {i.path for i in infos})
         if unknown:
@@ -219,9 +236,12 @@ class Layout:
                 segs = segs or one_segment(i.shape[0], spec, strategy, k, staged, remat)
                 check_segments(i.path, segs, i.shape[0])
             sharded = any(sharded_dim(x.spec) is not None for x in segs) or sharded_dim(spec) is not None
+            acc = accumulate.get(i.path, "")
+            if acc:
+                _check_accumulate(i.path, strategy, acc, i.path in in_loop, i.path in units, k)
             params_.append(ParamLayout(i.path, spec, strategy, i.path in in_loop, k, staged,
                                        i.path in set(dense), segs, units.get(i.path, ""),
-                                       gather_dtype if sharded else ""))
+                                       gather_dtype if sharded else "", acc))
         return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat))
 
     @classmethod
@@ -246,6 +266,21 @@ class Layout:
             specs[i.path] = spec if spec is not None else P()
         return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat,
                               units=units, unit_remat=unit_remat, gather_dtype=gather_dtype)
+
+
+def _check_accumulate(path: str, strategy: str, accumulate: str, in_loop: bool, unit: bool, split: int) -> None:
+    """A ``ValueError`` naming ``path`` when its ``accumulate`` does not apply to its layout."""
+    try:
+        whole = accumulation(strategy, accumulate) == "whole"
+    except ValueError as e:
+        raise ValueError(f"parameter {path!r}: {e}") from None
+    if in_loop and accumulate != accumulation(strategy):
+        raise ValueError(f"parameter {path!r} is layer-stacked: its gradient accumulates as its segments' "
+                         f"strategies do; leave its accumulate unset")
+    if whole and strategy in GATHERED and (unit or split > 1):
+        where = "in a unit (gathered at it)" if unit else f"split in {split}"
+        raise ValueError(f"parameter {path!r} is {where}, so it cannot be kept gathered across microbatches "
+                         f"(accumulate='whole'): leave its accumulate 'shard'")
 
 
 def check_dtype(dtype, what: str = "compute_dtype") -> str:

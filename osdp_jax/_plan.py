@@ -13,9 +13,9 @@ from ._stack import Segment
 from ._strategies import GATHERED, sharded_dim
 from ._units import format_bytes
 
-PLAN_FORMAT = 5  # 5 adds the zero2 strategy and gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels;
-#                 1-4 are still read
-READABLE_FORMATS = (1, 2, 3, 4, 5)
+PLAN_FORMAT = 6  # 6 adds "accumulate", 5 the zero2 strategy and gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels;
+#                 1-5 are still read
+READABLE_FORMATS = (1, 2, 3, 4, 5, 6)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -62,6 +62,8 @@ class ParamPlan:
     segments: tuple[Segment, ...] = ()  # a stacked parameter's layer segments (empty: one, as above)
     unit: str = ""  # the unit (osdp_jax.units) a sharded parameter is gathered at; "": once per step
     gather_dtype: str = ""  # a sharded parameter gathered in this dtype (plan(compute_dtype=)); "": its own
+    accumulate: str = ""  # with microbatches: its gradient summed "whole" (a zero3/hsdp weight gathered once
+    #                       per step and kept) or in its "shard"; "": the strategy's default
 
     def layer_segments(self) -> tuple[Segment, ...]:
         """The segments of a stacked (``in_loop``) parameter: its own, or one over all its layers."""
@@ -140,7 +142,8 @@ class Plan:
     def layout(self) -> Layout:
         """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
         return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
-                                        pp.dense, pp.layer_segments(), pp.unit, pp.gather_dtype)
+                                        pp.dense, pp.layer_segments(), pp.unit, pp.gather_dtype,
+                                        pp.accumulate)
                             for pp in self.params),
                       tuple(self.axes), unit_remat=self.unit_remat)
 
@@ -182,16 +185,21 @@ class Plan:
             mixed = len(pp.layer_segments()) > 1
             groups.setdefault((pp.shape, pp.dtype, "segments" if mixed else pp.strategy,
                                P() if mixed else pp.spec, pp.in_loop, 1 if mixed else pp.split, pp.two_stage,
-                               bool(pp.unit)), []).append(pp)
+                               bool(pp.unit), pp.accumulate), []).append(pp)
         rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
                  "bytes each")]
-        for (shape, dtype, strategy, spec, _, split, _, _), pps in groups.items():
+        for (shape, dtype, strategy, spec, _, split, _, _, accumulate), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
-            where = "-" if strategy in ("replicate", "zero2") else (
+            where = "" if strategy in ("replicate", "zero2") else (
                 "per layer" if pps[0].in_loop else "per unit" if pps[0].unit else "per step")
             where = "per layer" if strategy == "segments" else where
-            where += ", 2-stage" if pps[0].two_stage else ""
-            where += f", in {pps[0].gather_dtype}" if pps[0].gather_dtype else ""
+            notes = [where] if where else []
+            notes += ["2-stage"] if pps[0].two_stage else []
+            notes += [f"in {pps[0].gather_dtype}"] if pps[0].gather_dtype else []
+            if self.microbatches > 1 and accumulate:  # where the gradient is summed, when not the default
+                notes.append(("kept across microbatches" if strategy in GATHERED else "grad summed whole")
+                             if accumulate == "whole" else "grad summed sharded")
+            where = ", ".join(notes) or "-"
             rows.append((name[:48], str(len(pps)), str(shape), dtype, strategy, _spec_str(spec),
                          where, str(split) if split > 1 else "-", format_bytes(pps[0].nbytes)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -254,7 +262,7 @@ class Plan:
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
                         "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
                         "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments], "unit": pp.unit,
-                        "gather_dtype": pp.gather_dtype}
+                        "gather_dtype": pp.gather_dtype, "accumulate": pp.accumulate}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -267,7 +275,7 @@ class Plan:
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
                                  p.get("split", 1), p.get("two_stage", False), p.get("dense", False),
                                  tuple(Segment.from_json(x) for x in p.get("segments", ())), p.get("unit", ""),
-                                 p.get("gather_dtype", ""))
+                                 p.get("gather_dtype", ""), p.get("accumulate", ""))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

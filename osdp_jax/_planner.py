@@ -26,8 +26,8 @@ from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
 from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
-from ._strategies import (DEFAULT_SPLITS, GATHERED, axes_size, check_microbatches, check_splits, check_strategies,
-                          data_axes)
+from ._strategies import (DEFAULT_SPLITS, GATHERED, accumulation, axes_size, check_microbatches, check_splits,
+                          check_strategies, data_axes)
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
 from .runtime.step import compile_count, profile_step
@@ -80,8 +80,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         the bytes from float32; the stored shard, its update and its optimizer state keep the
         parameter's dtype; the probes are compiled that way, so the memory terms are fitted on it),
         ``microbatches`` (e.g. ``(1, 2, 4, 8)``: each global batch size is also tried as m
-        microbatches with gradient accumulation, ``Plan.microbatches``; the default ``(1,)`` does
-        not accumulate).
+        microbatches with gradient accumulation, ``Plan.microbatches``, and each parameter's
+        gradient summed whole or in its shard across them, ``ParamPlan.accumulate``; the default
+        ``(1,)`` does not accumulate).
 
     A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
     cut it into segments with their own strategy, split count and remat policy
@@ -143,19 +144,29 @@ def _fastest(runs, start) -> Plan:
 
 
 def _accumulated(t, m: int, problem: Problem):
-    """Cost tables of a step run as m microbatches, from those of one microbatch: the compute and
-    every zero3/hsdp parameter's collectives (gathered and reduce-scattered in each microbatch) m
-    times; replicated and zero2 gradients are reduced once. Memory: the gradient accumulator,
-    alive beside each microbatch's gradient, p bytes for a replicated or zero2 parameter (summed
-    whole) and p / N for a zero3 one (p / N_inner hsdp)."""
+    """Cost tables of a step run as m microbatches, from those of one microbatch (the columns of
+    ``problem.with_accumulation()``): the compute m times; per parameter, where its gradient is
+    summed (``_strategies.accumulation``):
+
+    - ``"shard"``: reduce-scattered in every microbatch into an accumulator of p / N bytes
+      (p / N_inner hsdp); a zero3/hsdp weight is gathered again in each (its collectives m times),
+      a zero2 weight is all-gathered once, after the update (m reduce-scatters and 1 all-gather:
+      (m + 1) / 2 its one-step collective time);
+    - ``"whole"``: summed into an accumulator of p bytes, reduced once; a zero3/hsdp weight
+      (kept) is gathered once, before the loop, and stays alive through it: p bytes more for the
+      step.
+    """
     if m == 1:
         return t
     time_, mem = t.time.copy(), t.mem.copy()
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
-    for c, (strategy, _) in enumerate(t.columns):
-        if strategy in GATHERED:
-            time_[:, c] *= m
-        mem[:, c] += p / {"zero3": problem.n, "hsdp": problem.topo.inner}.get(strategy, 1)
+    for c, (strategy, _, *rest) in enumerate(t.columns):
+        summed = accumulation(strategy, *rest)
+        if summed == "whole":
+            mem[:, c] += p * (2 if strategy in GATHERED else 1)
+        else:
+            mem[:, c] += p / (problem.topo.inner if strategy == "hsdp" else problem.n)
+            time_[:, c] *= m if strategy in GATHERED else (m + 1) / 2
     return dataclasses.replace(t, time=time_, mem=mem, base_time=t.base_time * m)
 
 
@@ -173,6 +184,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         probe_batches = batches
     calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies)
                   if o.loss_fn is not None else uncalibrated(batches))
+    problem = problem.with_accumulation() if m > 1 else problem  # where each gradient is summed, searched too
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 
@@ -242,7 +254,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     second = _search(tables, budget)[0]
     if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
         return build(*first)
-    other = run(tables, second, _known(problem, calibrated.probes, tables), overlap)
+    other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap)
     return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
 
 
@@ -408,12 +420,13 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                                  else ""))
             continue
         c = whole[k]
-        strategy, split = problem.columns[c]
+        strategy, split, *accumulate = problem.columns[c]
         pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=strategy,
                              spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
                              split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
                              unit=problem.units.get(i.path, "") if strategy in GATHERED and split == 1 else "",
-                             gather_dtype=problem.compute_dtype if strategy in GATHERED else ""))
+                             gather_dtype=problem.compute_dtype if strategy in GATHERED else "",
+                             accumulate=accumulate[0] if accumulate else ""))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,

@@ -20,7 +20,7 @@ from ._describe import ParamInfo, describe
 from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
 from ._stack import check_remat
-from ._strategies import GATHERED, axes_size, sharded_dim, spec_for
+from ._strategies import GATHERED, accumulation, axes_size, sharded_dim, spec_for
 from ._unit_policy import from_found
 
 log = logging.getLogger("osdp_jax")
@@ -35,7 +35,7 @@ class Problem:
     n: int  # data-parallel devices
     topo: Topology
     strategies: tuple[str, ...]  # allowed by the user
-    columns: tuple[tuple[str, int], ...]  # (strategy, k) per column
+    columns: tuple[tuple, ...]  # (strategy, k) per column; (strategy, 1, accumulate) with microbatches
     options: tuple[tuple[P | None, ...], ...]  # [parameter][column] storage spec, None: unavailable
     in_loop: frozenset[str] = frozenset()  # layer-stacked, gathered per layer (osdp_jax.layers.scan)
     dense: frozenset[str] = frozenset()  # kernels of dense layers outside layer loops (gathered at the layer)
@@ -52,6 +52,22 @@ class Problem:
             return np.ones(len(self.infos))
         size = np.dtype(jax.numpy.dtype(self.compute_dtype)).itemsize
         return np.array([min(1.0, size / np.dtype(i.dtype).itemsize) for i in self.infos])
+
+    def with_accumulation(self) -> "Problem":
+        """The problem of a step run as microbatches: one more column per strategy whose gradient
+        can be summed the other way (``_strategies.accumulation``): ``("zero3", 1, "whole")`` and
+        ``("hsdp", 1, "whole")`` (the weight gathered once per step and kept across the
+        microbatches) and ``("zero2", 1, "shard")`` (the gradient reduce-scattered in every
+        microbatch), each where the plain column applies to a parameter gathered once per step
+        (not a stacked one, gathered per layer, nor a unit's)."""
+        extra = [(s, 1, accumulation(s) == "shard" and "whole" or "shard")
+                 for s in (*GATHERED, "zero2") if (s, 1) in self.columns]
+        if not extra:
+            return self
+        at_use = self.at_use()
+        options = tuple((*row, *(row[self.columns.index(c[:2])] if i.path not in at_use else None for c in extra))
+                        for i, row in zip(self.infos, self.options))
+        return dataclasses.replace(self, columns=(*self.columns, *extra), options=options)
 
     def stack_layers(self, s: int) -> int:
         """Layers of stack ``s``."""

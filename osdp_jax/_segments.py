@@ -89,9 +89,9 @@ def expand(problem, t: CostTables, remat: dict | None, policies=("full",), per_l
     for u, members in enumerate(groups.values()):
         # a unit is one item: all its parameters take the unit's strategy (those that cannot stay
         # replicated); split columns are not offered
-        cols = tuple(tuple(c if k == 1 and np.isfinite(t.mem[m, c]) else replicate for m in members)
-                     for c, (_, k) in enumerate(t.columns))
-        ok = np.array([k == 1 for _, k in t.columns])
+        cols = tuple(tuple(c if col[1:] == (1,) and np.isfinite(t.mem[m, c]) else replicate for m in members)
+                     for c, col in enumerate(t.columns))
+        ok = np.array([col[1:] == (1,) for col in t.columns])  # nor the microbatch accumulation columns
         for rows, table in ((rows_t, t.time), (rows_m, t.mem)):
             row = np.array([sum(table[m, mc] for m, mc in zip(members, cols[c])) for c in range(n_cols)])
             rows.append(np.concatenate([np.where(ok, row, np.inf), pad]))

@@ -16,6 +16,18 @@
   holds ``p + o / N`` bytes instead of ``p + o`` (o: the optimizer state's bytes). Not in the
   default search (:data:`DEFAULT_STRATEGIES`, the original OSDP's space); ask for it with
   ``strategies=``.
+
+With gradient accumulation (m microbatches per step), each parameter's gradient is summed across
+the microbatches either *whole* or in its *shard* (:data:`ACCUMULATE`, :func:`accumulation`):
+
+- ``"shard"`` (zero3/hsdp by default; zero2 on request): the gradient is reduce-scattered in every
+  microbatch into a shard-sized accumulator (p / N bytes). A zero3/hsdp weight is then gathered
+  again in every microbatch: m all-gathers and m reduce-scatters per step.
+- ``"whole"`` (replicate always; zero2 by default; zero3/hsdp on request): the gradient is summed
+  whole (p bytes) and reduced once after the loop. A zero3/hsdp weight is then gathered once per
+  step and *kept* across the microbatches (p bytes more, alive through the loop): one all-gather
+  and one reduce-scatter per step. Not for a layer-stacked parameter (gathered per layer), a
+  unit's (gathered at its unit) or a split kernel.
 """
 from __future__ import annotations
 
@@ -30,6 +42,22 @@ STRATEGIES = ("replicate", "zero3", "hsdp", "zero2")
 DEFAULT_STRATEGIES = ("replicate", "zero3", "hsdp")  # the original OSDP's space: strategies=None
 GATHERED = ("zero3", "hsdp")  # the strategies that store a shard and gather the weight for use
 DEFAULT_SPLITS = (1, 2, 4, 8)  # operator-splitting slice counts the search considers
+ACCUMULATE = ("shard", "whole")  # where a gradient is summed across microbatches (module docstring)
+_DEFAULT_ACCUMULATE = {"replicate": "whole", "zero2": "whole", "zero3": "shard", "hsdp": "shard"}
+
+
+def accumulation(strategy: str, accumulate: str = "") -> str:
+    """Where a ``strategy`` parameter's gradient is summed across microbatches: ``accumulate``
+    (``"shard"`` or ``"whole"``), or the strategy's default for ``""``; a ``ValueError`` for a
+    value that does not apply (a replicated gradient has no shard)."""
+    if accumulate == "":
+        return _DEFAULT_ACCUMULATE[strategy]
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate must be 'shard' or 'whole', got {accumulate!r}")
+    if strategy == "replicate" and accumulate == "shard":
+        raise ValueError("a replicated parameter's gradient is accumulated whole (it has no shard): make it "
+                         "zero2, zero3 or hsdp to accumulate it sharded")
+    return accumulate
 
 
 def check_strategies(strategies: Sequence[str] | None) -> tuple[str, ...]:

@@ -1,5 +1,7 @@
-"""Strategy names and split counts, and their validation (public)."""
-from ._strategies import (DEFAULT_SPLITS, DEFAULT_STRATEGIES, STRATEGIES, check_microbatches, check_splits,
-                          check_strategies)
+"""Strategy names and split counts, where gradients are summed across microbatches, and their
+validation (public)."""
+from ._strategies import (ACCUMULATE, DEFAULT_SPLITS, DEFAULT_STRATEGIES, STRATEGIES, accumulation, check_microbatches,
+                          check_splits, check_strategies)
 
-__all__ = ["DEFAULT_SPLITS", "DEFAULT_STRATEGIES", "STRATEGIES", "check_microbatches", "check_splits", "check_strategies"]
+__all__ = ["ACCUMULATE", "DEFAULT_SPLITS", "DEFAULT_STRATEGIES", "STRATEGIES", "accumulation", "check_microbatches",
+           "check_splits", "check_strategies"]

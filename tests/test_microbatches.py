@@ -1,5 +1,7 @@
 """Gradient accumulation (issue 17, part 3, the step): a global batch run as m microbatches trains
 as the whole batch does, with less activation memory."""
+import re
+
 import jax
 import numpy as np
 import optax
@@ -16,6 +18,15 @@ def _mixed(params, mesh):
     specs = {i.path: spec_for(i, "zero3", ("data",), 8) for i in infos if i.path.endswith("kernel")}
     zero2 = [i.path for i in infos if i.path.endswith("embedding") and spec_for(i, "zero3", ("data",), 8)]
     return osdp_jax.Layout.from_specs(params, mesh, {k: v for k, v in specs.items() if v is not None}, zero2=zero2)
+
+
+def _summed_the_other_way(params, mesh):
+    """:func:`_mixed`, with the kernels kept gathered across microbatches (their gradients summed
+    whole) and the embedding's zero2 gradient reduce-scattered in every microbatch."""
+    layout = _mixed(params, mesh)
+    flip = {pl.path: "whole" if pl.strategy == "zero3" else "shard" for pl in layout.params if pl.strategy != "replicate"}
+    return osdp_jax.Layout.from_specs(params, mesh, layout.specs_by_path, zero2=[p for p, a in flip.items() if a == "shard"],
+                                      accumulate=flip)
 
 
 def _run(params, loss_fn, layout, mesh, batch, m, steps=3):
@@ -37,14 +48,80 @@ def test_microbatches_train_like_the_whole_batch_with_less_memory(mesh):
     assert {pl.strategy for pl in layout.params} == {"replicate", "zero3", "zero2"}
     whole, p1 = _run(params, loss_fn, layout, mesh, batch, 1)
     accumulated, p4 = _run(params, loss_fn, layout, mesh, batch, 4)
+    other = _summed_the_other_way(params, mesh)
+    assert {(pl.strategy, pl.accumulate) for pl in other.params} == {("replicate", ""), ("zero3", "whole"),
+                                                                     ("zero2", "shard")}
+    summed, p4b = _run(params, loss_fn, other, mesh, batch, 4)
     np.testing.assert_allclose(accumulated, whole, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1)):
+    np.testing.assert_allclose(summed, whole, rtol=1e-5)
+    for a, b, c in zip(jax.tree.leaves(p4), jax.tree.leaves(p1), jax.tree.leaves(p4b)):
         # summation order moves Adam's step on near-zero gradients (toy.assert_matches_single_device)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(c), np.asarray(b), rtol=1e-4, atol=1e-4)
     opt = optax.adam(1e-2)
     peaks = {m: osdp_jax.profile_compiled(osdp_jax.compile_step(loss_fn, opt, params, batch, mesh, layout,
                                                                  microbatches=m)).temp_bytes for m in (1, 4)}
     assert peaks[4] < peaks[1], peaks
+
+
+def test_kept_weights_are_gathered_once_and_others_in_every_microbatch(mesh):
+    """In the compiled step, a kept weight's all-gather and reduce-scatter sit outside the
+    microbatch loop, a re-gathered one's inside it (XLA:CPU would otherwise hoist that gather out
+    of the loop), and a zero2 gradient summed sharded is reduce-scattered inside it."""
+    params, loss_fn = toy.linen_setup(boxed=False)
+    opt = optax.adam(1e-2)
+
+    def placed(layout):
+        text = osdp_jax.compile_step(loss_fn, opt, params, toy.tokens(64), mesh, layout, microbatches=4).as_text()
+        loop = set(re.findall(r" while\(.*body=%?([\w.\-]+)", text))
+        where, comp = {}, None
+        for line in text.splitlines():
+            if line.endswith("{") and not line.startswith(" "):
+                comp = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            for op in ("all-gather", "reduce-scatter"):
+                if f" {op}(" in line or f" {op}-start(" in line:
+                    key = (op, "loop" if comp in loop else "step")
+                    where[key] = where.get(key, 0) + 1
+        return where
+    kernels = sum(pl.strategy == "zero3" for pl in _mixed(params, mesh).params)
+    regathered, kept = placed(_mixed(params, mesh)), placed(_summed_the_other_way(params, mesh))
+    assert regathered == {("all-gather", "loop"): kernels, ("reduce-scatter", "loop"): kernels,
+                          ("all-gather", "step"): 1, ("reduce-scatter", "step"): 1}, regathered
+    assert kept == {("all-gather", "step"): kernels + 1, ("reduce-scatter", "step"): kernels,
+                    ("reduce-scatter", "loop"): 1}, kept
+
+
+@pytest.mark.parametrize("strategy,budget", [("zero2", 5_000_000), ("zero3", 4_700_000)])
+def test_the_search_chooses_where_each_gradient_is_summed(mesh, strategy, budget):
+    """Between the peaks of summing every gradient whole and in its shard (4 microbatches, an
+    einsum LM written elsewhere), the search mixes the two, the plan fits by XLA, is predicted
+    within 10%, and says so in its summary and its JSON."""
+    from experiments.benchmarks import foreign
+    params, loss_fn, batch = foreign.einsum_lm(layers=2, d=128, batch=64)
+    plan = osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=optax.adam(1e-3),
+                         batch_sizes=(64,), splits=(1,), units=(), microbatches=(4,), strategies=(strategy,))
+    summed = {osdp_jax.strategies.accumulation(pp.strategy, pp.accumulate) for pp in plan.params if pp.strategy == strategy}
+    assert summed == {"shard", "whole"}, plan.summary()
+    assert plan.xla_peak_bytes <= budget
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, plan.summary()
+    assert ("kept across microbatches" if strategy == "zero3" else "grad summed sharded") in plan.summary()
+    assert osdp_jax.Plan.from_json(plan.to_json()).layout == plan.layout
+
+
+def test_bad_accumulate_is_one_clear_error(mesh):
+    params, loss_fn = toy.linen_setup(boxed=False)
+    layout = _mixed(params, mesh)
+    kernel = next(pl.path for pl in layout.params if pl.strategy == "zero3")
+    bias = next(pl.path for pl in layout.params if pl.strategy == "replicate")
+    specs = layout.specs_by_path
+    with pytest.raises(ValueError, match="accumulate must be 'shard' or 'whole'"):
+        osdp_jax.Layout.from_specs(params, mesh, specs, accumulate={kernel: "both"})
+    with pytest.raises(ValueError, match=f"{bias!r}: a replicated parameter's gradient is accumulated whole"):
+        osdp_jax.Layout.from_specs(params, mesh, specs, accumulate={bias: "shard"})
+    with pytest.raises(ValueError, match="split in 2, so it cannot be kept gathered"):
+        osdp_jax.Layout.from_specs(params, mesh, specs, splits={kernel: 2}, accumulate={kernel: "whole"})
+    with pytest.raises(KeyError, match="accumulate names parameters the params do not have"):
+        osdp_jax.Layout.from_specs(params, mesh, specs, accumulate={"nope": "whole"})
 
 
 def test_bad_microbatches_are_one_clear_error(mesh):

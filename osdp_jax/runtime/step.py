@@ -10,6 +10,9 @@ Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, b
   shard its optimizer state is kept on, and the updated shards are all-gathered into the whole
   parameter when the step lays its output out.
 
+With microbatches, each gradient is summed across them where its layout's ``accumulate`` says
+(:func:`grad_body`).
+
 The optimizer then runs on the global arrays (outside the shard_map). Flax linen metadata boxes
 are stripped before ``loss_fn`` sees the parameters. The loss is the mean of the per-device
 losses, so ``loss_fn`` must return the *mean* loss over the batch it is given; the gradient is then
@@ -33,7 +36,7 @@ from .._describe import describe, path_name, strip_boxes
 from .._layout import (Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree,
                        state_spec_tree)
 from .._stack import Segmented, is_segmented
-from .._strategies import axes_size, axis_entry, sharded_dim
+from .._strategies import accumulation, axes_size, axis_entry, sharded_dim
 from .._xla import StepProfile, loop_flops, profile_compiled
 from .collectives import device_index, gather
 from .context import SplitEntry, StepContext, active
@@ -159,6 +162,12 @@ def _reduce_grad(g, spec: P, state: P, axes, n: int):
     return jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True) / n
 
 
+def _shard_shape(shape, spec: P, n: int) -> tuple:
+    """The local shape of a ``shape`` array split as ``spec`` over ``n`` devices (inside shard_map)."""
+    d = sharded_dim(spec)
+    return tuple(x // n if i == d else x for i, x in enumerate(shape))
+
+
 def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", options: StepOptions = StepOptions(),
               state_specs=None):
     """The per-device body: gather, loss and gradient, gradient collectives.
@@ -171,32 +180,65 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
     """
     view = model_view(loss_fn, param_specs, gathering, options.embed_lookup)
     m = options.microbatches
+    kept, scattered = gathering.kept, gathering.summed_sharded
+    state_specs = param_specs if state_specs is None else state_specs
 
-    def value_and_grad(params, batch, state, rng):
+    def by_path(f, *trees):
+        return jax.tree_util.tree_map_with_path(lambda path, *x: f(path_name(path), *x), *trees,
+                                                is_leaf=lambda x: isinstance(x, P))
+
+    def value_and_grad(params, batch, state, rng, view=view):
         def loss_of(p):
             loss, aux, new_state = options.call(view, p, batch, state, rng)
             return loss, (aux, new_state)
         return jax.value_and_grad(loss_of, has_aux=True)(params)
 
     def accumulated(params, batch, rng):
-        """m microbatches in a loop: every sharded parameter is gathered again in each, and its
-        gradient reduce-scattered there (a shard-sized accumulator); a replicated or zero2
-        gradient is summed locally (whole) and reduced once, after the loop."""
+        """m microbatches in a loop, each gradient summed where its layout says
+        (``osdp_jax._strategies.accumulation``): a zero3/hsdp weight is gathered in every microbatch
+        and its gradient reduce-scattered there into a shard-sized accumulator, unless it is kept
+        (gathered once, before the loop; its gradient summed whole and reduce-scattered once, after
+        it); a replicated gradient is summed whole and reduced once, after the loop, and so is a
+        zero2 one unless summed sharded (reduce-scattered in every microbatch)."""
         rows = jax.tree.leaves(batch)[0].shape[0]
         if rows % m:
             raise ValueError(f"each device's batch slice has {rows} examples, not divisible into {m} "
                              f"microbatches: use a global batch size divisible by devices x microbatches")
         split = jax.tree.map(lambda x: x.reshape(m, rows // m, *x.shape[1:]), batch)
+        specs = {path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+            param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+        shards = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if path_name(p) in kept}
+        gathered, pullback = jax.vjp(
+            lambda xs: {p: gather(x, sharded_dim(specs[p]), gathering.how[p]) for p, x in xs.items()}, shards)
+        inner = by_path(lambda p, x: gathered[p] if p in kept else x, params)
+        inner_view = model_view(loss_fn, by_path(lambda p, s: P() if p in kept else s, param_specs),
+                                gathering.inside_microbatches(), options.embed_lookup)
+        over = axes if len(axes) > 1 else axes[0]
+
+        def scatter(p, g, t):  # a zero2 gradient summed sharded: reduce-scattered in this microbatch
+            return jax.lax.psum_scatter(g, over, scatter_dimension=sharded_dim(t), tiled=True) if p in scattered else g
 
         def one(total, xs):
             i, b = xs
-            (loss, (aux, _)), g = value_and_grad(params, b, None, None if rng is None else jax.random.fold_in(rng, i))
+            # tie the other shards to the microbatch, so that XLA cannot hoist their gathers out of
+            # the loop (XLA:CPU does: the gathered weights then stay alive through it)
+            here = by_path(lambda p, x, s: jax.numpy.where(i >= 0, x, jax.numpy.zeros_like(x))
+                           if sharded_dim(s) is not None and p not in kept else x, inner, param_specs)
+            (loss, (aux, _)), g = value_and_grad(here, b, None, None if rng is None else jax.random.fold_in(rng, i),
+                                                 inner_view)
+            g = by_path(scatter, g, state_specs)
             return jax.tree.map(jax.numpy.add, total, (loss.astype(jax.numpy.float32), g)), aux
 
-        zeros = (jax.numpy.zeros((), jax.numpy.float32), jax.tree.map(jax.numpy.zeros_like, params))
+        zeros = (jax.numpy.zeros((), jax.numpy.float32),
+                 by_path(lambda p, x, t: jax.numpy.zeros(_shard_shape(x.shape, t, n) if p in scattered else x.shape,
+                                                         x.dtype), inner, state_specs))
         (loss, grads), auxs = jax.lax.scan(one, zeros, (jax.numpy.arange(m), split))
         aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if options.aux == "gather" else
                            (a.mean(0) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else a.sum(0)), auxs)
+        if kept:  # the kept weights' whole gradients through their gather's backward: one reduce-scatter
+            (back,) = pullback({path_name(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+                                if path_name(p) in kept})
+            grads = by_path(lambda p, g: back[p] if p in kept else g, grads)
         return (loss / m, (aux, None)), jax.tree.map(lambda g: g / m, grads)
 
     def body(params, batch, state, rng):
@@ -206,8 +248,9 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
             (loss, (aux, new_state)), grads = accumulated(params, batch, rng)
         else:
             (loss, (aux, new_state)), grads = value_and_grad(params, batch, state, rng)
-        grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, param_specs,
-                             param_specs if state_specs is None else state_specs)
+        # a gradient reduce-scattered in the loop (summed sharded) arrives as a shard, as a zero3 one does
+        done = by_path(lambda p, s, t: t if m > 1 and p in scattered else s, param_specs, state_specs)
+        grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, done, state_specs)
         aux = jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), aux)
         new_state = jax.tree.map(lambda x: _reduce_out(x, axes, "mean"), new_state)
         return jax.lax.pmean(loss, axes), aux, grads, new_state
@@ -232,6 +275,15 @@ class _Gathering(NamedTuple):
     per_step: frozenset  # sharded parameters gathered whole before the loss
     units: dict  # path -> the unit (runtime.units) it is gathered at, on entry and in the backward pass
     unit_remat: str  # the remat policy units run under
+    kept: frozenset = frozenset()  # sharded, gathered once per step and kept across microbatches
+    summed_sharded: frozenset = frozenset()  # zero2 gradients reduce-scattered in every microbatch
+
+    def inside_microbatches(self) -> "_Gathering":
+        """The gathering of the microbatch loop's body: the kept weights arrive gathered."""
+        kept = self.kept
+        return self._replace(how={p: (None if p in kept else c) for p, c in self.how.items()},
+                             split_specs={p: e for p, e in self.split_specs.items() if p not in kept},
+                             per_step=self.per_step - kept, units={p: u for p, u in self.units.items() if p not in kept})
 
 
 def _check_splits(layout: Layout) -> None:
@@ -275,8 +327,11 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
                 units[pl.path] = pl.unit
     per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
                          and not layout.stacks_per_step)
+    kept = frozenset(pl.path for pl in layout.params if pl.kept)
+    summed_sharded = frozenset(pl.path for pl in layout.params if pl.strategy == "zero2" and not pl.in_loop
+                               and accumulation("zero2", pl.accumulate) == "shard")
     return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step, units,
-                      layout.unit_remat)
+                      layout.unit_remat, kept, summed_sharded)
 
 
 def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOptions()):
@@ -473,9 +528,11 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
         the batch and returns the new ones, averaged over the data-parallel devices (BatchNorm
         statistics of the whole batch, for statistics that are means).
       microbatches: run each device's batch slice as this many microbatches in a loop, summing
-        the gradients (gradient accumulation): activation memory falls about m-fold, every sharded
-        parameter is gathered and reduce-scattered once per microbatch, a replicated (or zero2)
-        gradient is summed locally and reduced once. The loss and gradient equal those of the
+        the gradients (gradient accumulation): activation memory falls about m-fold. Each gradient
+        is summed where the layout's ``accumulate`` says (``osdp_jax.strategies.accumulation``):
+        a sharded parameter is gathered and reduce-scattered once per microbatch unless kept
+        (gathered once, reduce-scattered once); a replicated (or zero2) gradient is summed locally
+        and reduced once, unless a zero2 one is summed sharded. The loss and gradient equal those of the
         whole batch (mean of equal microbatches), up to float rounding. Default: the plan's
         ``microbatches`` (1 for a ``Layout``). Not with ``state=True``. With ``rng``, each
         microbatch gets the device's key folded with its index.
