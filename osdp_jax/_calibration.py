@@ -137,7 +137,8 @@ class XlaCalibrator:
             self._record(kind, batch, prof, seconds)
             return prof, seconds
         t0, n0 = time.perf_counter(), compile_count()
-        compiled, missing = compile_counted(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout)
+        compiled, missing = compile_counted(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout,
+                                            figures_only=not timed)
         prof = profile_compiled(compiled, missing)
         seconds = None
         if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget

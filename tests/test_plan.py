@@ -26,7 +26,7 @@ def test_generous_budget_replicates_everything(mesh, setup):
     plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt)
     assert set(jax.tree.leaves(plan.strategies)) == {"replicate"}
     # two probes (all replicated, all zero3); the chosen plan is the all-replicate probe's layout,
-    # whose compiled step the verification takes as it is: two compiles
+    # verified by that probe's figures: two compiles
     assert plan.compiles == 2 and 0 < plan.compile_seconds < plan.planning_seconds
     assert "planning: " in plan.summary() and "2 compiles" in plan.summary()
     assert all(s == P() for s in jax.tree.leaves(plan.specs, is_leaf=lambda x: isinstance(x, P)))
@@ -211,7 +211,12 @@ def test_training_reuses_the_verification_compile(mesh):
     from osdp_jax.runtime.step import clear_compiled
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
-    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    # a budget between the all-zero3 and all-replicate peaks: a plan no probe compiled, so verified
+    # by a compile (a probe's layout is verified by the probe's figures, and training compiles it)
+    peaks = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
+             for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
+    plan = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    assert set(plan.counts()) == {"replicate", "zero3"}, plan.summary()
 
     def first_loss():
         p = osdp_jax.shard(params, mesh, plan)
@@ -224,3 +229,23 @@ def test_training_reuses_the_verification_compile(mesh):
     clear_compiled()
     fresh_loss, fresh = first_loss()
     assert reused and not fresh and reused_loss == fresh_loss
+
+
+def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(mesh):
+    """A probe is compiled without the backend's LLVM optimisation (``FIGURES_ONLY``): XLA's memory
+    figures and cost analysis are the same as a fully optimised compile's, on a layer stack with
+    remat and on an unrolled model with units."""
+    from experiments.benchmarks import foreign
+    from osdp_jax.runtime.step import FIGURES_ONLY, abstract_args, build_step, jit_step
+    _, stack, stack_loss, stack_batch = toy.stack_setup(n_layer=2, batch=32)
+    lm, lm_loss, lm_batch = foreign.einsum_lm(layers=2)
+    opt = optax.adam(1e-3)
+    for params, loss_fn, batch, layout in (
+            (stack, stack_loss, stack_batch, osdp_jax.Layout.fsdp(stack, mesh, in_loop=osdp_jax.discover(
+                stack_loss, stack, stack_batch)[0])),
+            (lm, lm_loss, lm_batch, osdp_jax.Layout.fsdp(lm, mesh, units=osdp_jax.units.find(lm_loss, lm, lm_batch)))):
+        lowered = jit_step(build_step(loss_fn, opt, mesh, layout)).trace(
+            *abstract_args(opt, params, batch, mesh, layout)).lower()
+        figures = [osdp_jax.profile_compiled(lowered.compile(compiler_options=options))
+                   for options in (FIGURES_ONLY, {"xla_backend_optimization_level": 2})]
+        assert figures[0] == figures[1]

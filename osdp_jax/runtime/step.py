@@ -597,10 +597,17 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
     return compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options)[0]
 
 
-def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options):
+# A probe only needs XLA's figures: buffer assignment (the memory figures) and the cost analysis run
+# on the optimised HLO, before the backend's LLVM passes, which this option turns off (a compile
+# then takes about half the time on XLA:CPU; tests/test_profile.py checks the figures are equal).
+FIGURES_ONLY = {"xla_backend_optimization_level": 0}
+
+
+def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool = False, **options):
     """``(compiled step, FLOPs XLA leaves out)``: :func:`compile_step`, and the matmul FLOPs of
     the loop iterations XLA's cost analysis does not count (``osdp_jax.xla.loop_flops``), from the
-    same trace."""
+    same trace. ``figures_only``: compiled for its figures alone (:data:`FIGURES_ONLY`: not to be
+    run, so not kept for :func:`make_train_step` to reuse; a kept step is used if there is one)."""
     args = abstract_args(optimizer, params, batch, mesh, plan)
     options.setdefault("microbatches", getattr(plan, "microbatches", 1))
     step_options = StepOptions(**options)
@@ -608,9 +615,11 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options):
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
     compiled = _COMPILED.get(key) if key is not None else None
     if compiled is None:
-        compiled = traced.lower().compile()
+        compiled = traced.lower().compile(compiler_options=FIGURES_ONLY if figures_only else None)
         global _COMPILES
         _COMPILES += 1
+        if figures_only:
+            return compiled, loop_flops(traced.jaxpr)
     if key is not None:
         _COMPILED[key] = compiled
         _COMPILED.move_to_end(key)
