@@ -449,7 +449,9 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
     for name, strategies, splits, remat, per_layer in methods(s):
         row = {"method": name, "strategies": list(strategies or s.cfg.plan.strategies)}
         try:
-            plan = make_plan(s, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer)
+            # a plan that will not be trained here is compiled for XLA's figures only
+            plan = make_plan(s, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer,
+                             verify=True if trainable and measure_steps > 0 else "figures")
         except osdp_jax.InfeasibleBudgetError as e:
             row.update(fits=False, min_bytes=e.min_bytes)
             rows.append(row)

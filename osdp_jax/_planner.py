@@ -48,7 +48,8 @@ class PlanOptions:
     strategies: tuple[str, ...] | None = None  # allowed strategies (default all that apply)
     axis: object = None  # data-parallel mesh axes (default all)
     splits: tuple[int, ...] = DEFAULT_SPLITS  # candidate split counts for sharded dense kernels
-    verify: bool = True  # compile the chosen plan and re-plan if XLA's peak exceeds the budget
+    verify: bool | str = True  # compile the chosen plan and re-plan if XLA's peak exceeds the budget;
+    #                            "figures": compile it for XLA's figures only (half the time; not run)
     measure_time: bool = False  # time the probes on the mesh and scale the time model to them
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
     remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
@@ -68,7 +69,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
       mesh: the device mesh; ``axis`` names its data-parallel axes (default: all of them).
       options: a :class:`PlanOptions`; or pass its fields as keywords: ``budget``, ``loss_fn``,
         ``batch``, ``batch_sizes``, ``optimizer``, ``hardware``, ``strategies``, ``axis``, ``splits``
-        (``(1,)`` disables operator splitting), ``verify``, ``measure_time`` (runs the probes on the
+        (``(1,)`` disables operator splitting), ``verify`` (True: compile the chosen plan, the
+        executable training then runs; ``"figures"``: compile it for XLA's figures only, about half
+        the compile time on XLA:CPU, for plans that will not be run; False: trust the model),
+        ``measure_time`` (runs the probes on the
         mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
         ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
@@ -94,6 +98,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     start = time.perf_counter()
     o = dataclasses.replace(options or PlanOptions(), **kwargs)
     strategies, splits, axes = check_strategies(o.strategies), check_splits(o.splits), data_axes(mesh, o.axis)
+    if o.verify not in (True, False, "figures"):
+        raise ValueError(f"verify must be True (compile the chosen plan's step, which training then runs), "
+                         f"'figures' (compile it for XLA's figures only: faster, when it will not be run) or "
+                         f"False, got {o.verify!r}")
     policies = _policies(o.remat)
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
@@ -228,8 +236,9 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
     if not verifying:
         return build(best)
-    peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
-                       .peak_bytes)
+    figures_only = o.verify == "figures"  # nothing will run it: no need for the optimised executable
+    peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
+                                              figures_only=figures_only).peak_bytes)
 
     def run(tables, first, known, overlap):
         return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),

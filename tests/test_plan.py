@@ -249,3 +249,26 @@ def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(me
         figures = [osdp_jax.profile_compiled(lowered.compile(compiler_options=options))
                    for options in (FIGURES_ONLY, {"xla_backend_optimization_level": 2})]
         assert figures[0] == figures[1]
+
+
+def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
+    """``verify="figures"`` compiles the chosen plan for XLA's figures only: the same plan and XLA
+    peak as a full verification, but no executable kept for training; a bad value is one error."""
+    from experiments.benchmarks import foreign
+    from osdp_jax.runtime.step import clear_compiled
+    params, loss_fn, batch = foreign.plain_mlp()
+    opt = optax.adam(1e-3)
+    peaks = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
+             for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
+    kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    clear_compiled()
+    quick = osdp_jax.plan(params, mesh, verify="figures", **kw)
+    step = osdp_jax.make_train_step(loss_fn, opt, quick, mesh)
+    p = osdp_jax.shard(params, mesh, quick)
+    step(p, osdp_jax.init_opt_state(opt, p, quick, mesh), jax.device_put(batch, osdp_jax.batch_sharding(mesh, quick)))
+    assert not step.reused  # a figures-only compile is never run
+    clear_compiled()
+    full = osdp_jax.plan(params, mesh, **kw)
+    assert quick.layout == full.layout and quick.xla_peak_bytes == full.xla_peak_bytes
+    with pytest.raises(ValueError, match="verify must be True"):
+        osdp_jax.plan(params, mesh, verify="yes", **kw)

@@ -628,7 +628,10 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_on
     return compiled, loop_flops(traced.jaxpr)
 
 
-def profile_step(loss_fn, optimizer, params, batch, mesh, plan, **options) -> StepProfile:
+def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool = False,
+                 **options) -> StepProfile:
     """XLA's per-device figures (:class:`osdp_jax.StepProfile`) for the step under ``plan``, its
-    FLOPs with every loop iteration counted."""
-    return profile_compiled(*compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options))
+    FLOPs with every loop iteration counted; ``figures_only``: compiled for them alone
+    (:func:`compile_counted`)."""
+    return profile_compiled(*compile_counted(loss_fn, optimizer, params, batch, mesh, plan,
+                                             figures_only=figures_only, **options))
