@@ -181,8 +181,8 @@ class Layout:
         reduce-scattered in it; the stored shard, its update and its optimizer state keep the
         parameter's dtype. ``accumulate``: path -> ``"shard"`` or ``"whole"``, where the gradient
         is summed across microbatches (``make_train_step(microbatches=)``; ``osdp_jax.strategies``):
-        ``"whole"`` keeps a zero3/hsdp weight gathered across them, ``"shard"`` reduce-scatters a
-        zero2 gradient in each."""
+        a sharded parameter's default is ``"shard"`` (reduce-scattered in each); ``"whole"`` sums
+        it whole and reduces it once, keeping a zero3/hsdp weight gathered across them."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):

@@ -20,7 +20,7 @@ from ._describe import ParamInfo, describe
 from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
 from ._stack import check_remat
-from ._strategies import GATHERED, accumulation, axes_size, sharded_dim, spec_for
+from ._strategies import GATHERED, axes_size, sharded_dim, spec_for
 from ._unit_policy import from_found
 
 log = logging.getLogger("osdp_jax")
@@ -57,11 +57,10 @@ class Problem:
         """The problem of a step run as microbatches: one more column per strategy whose gradient
         can be summed the other way (``_strategies.accumulation``): ``("zero3", 1, "whole")`` and
         ``("hsdp", 1, "whole")`` (the weight gathered once per step and kept across the
-        microbatches) and ``("zero2", 1, "shard")`` (the gradient reduce-scattered in every
-        microbatch), each where the plain column applies to a parameter gathered once per step
+        microbatches) and ``("zero2", 1, "whole")`` (the gradient summed whole, reduce-scattered
+        once), each where the plain column applies to a parameter gathered once per step
         (not a stacked one, gathered per layer, nor a unit's)."""
-        extra = [(s, 1, accumulation(s) == "shard" and "whole" or "shard")
-                 for s in (*GATHERED, "zero2") if (s, 1) in self.columns]
+        extra = [(s, 1, "whole") for s in (*GATHERED, "zero2") if (s, 1) in self.columns]
         if not extra:
             return self
         at_use = self.at_use()

@@ -20,14 +20,14 @@
 With gradient accumulation (m microbatches per step), each parameter's gradient is summed across
 the microbatches either *whole* or in its *shard* (:data:`ACCUMULATE`, :func:`accumulation`):
 
-- ``"shard"`` (zero3/hsdp by default; zero2 on request): the gradient is reduce-scattered in every
-  microbatch into a shard-sized accumulator (p / N bytes). A zero3/hsdp weight is then gathered
-  again in every microbatch: m all-gathers and m reduce-scatters per step.
-- ``"whole"`` (replicate always; zero2 by default; zero3/hsdp on request): the gradient is summed
-  whole (p bytes) and reduced once after the loop. A zero3/hsdp weight is then gathered once per
-  step and *kept* across the microbatches (p bytes more, alive through the loop): one all-gather
-  and one reduce-scatter per step. Not for a layer-stacked parameter (gathered per layer), a
-  unit's (gathered at its unit) or a split kernel.
+- ``"shard"`` (the sharded strategies' default: zero3, hsdp, zero2): the gradient is
+  reduce-scattered in every microbatch into a shard-sized accumulator (p / N bytes). A zero3/hsdp
+  weight is then gathered again in every microbatch: m all-gathers and m reduce-scatters per step.
+- ``"whole"`` (replicate always; the others on request): the gradient is summed whole (p bytes)
+  and reduced once after the loop. A zero3/hsdp weight is then gathered once per step and *kept*
+  across the microbatches (p bytes more, alive through the loop): one all-gather and one
+  reduce-scatter per step. Not for a layer-stacked parameter (gathered per layer), a unit's
+  (gathered at its unit) or a split kernel.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ DEFAULT_STRATEGIES = ("replicate", "zero3", "hsdp")  # the original OSDP's space
 GATHERED = ("zero3", "hsdp")  # the strategies that store a shard and gather the weight for use
 DEFAULT_SPLITS = (1, 2, 4, 8)  # operator-splitting slice counts the search considers
 ACCUMULATE = ("shard", "whole")  # where a gradient is summed across microbatches (module docstring)
-_DEFAULT_ACCUMULATE = {"replicate": "whole", "zero2": "whole", "zero3": "shard", "hsdp": "shard"}
+_DEFAULT_ACCUMULATE = {"replicate": "whole", "zero2": "shard", "zero3": "shard", "hsdp": "shard"}
 
 
 def accumulation(strategy: str, accumulate: str = "") -> str:

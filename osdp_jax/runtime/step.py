@@ -198,8 +198,9 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
         (``osdp_jax._strategies.accumulation``): a zero3/hsdp weight is gathered in every microbatch
         and its gradient reduce-scattered there into a shard-sized accumulator, unless it is kept
         (gathered once, before the loop; its gradient summed whole and reduce-scattered once, after
-        it); a replicated gradient is summed whole and reduced once, after the loop, and so is a
-        zero2 one unless summed sharded (reduce-scattered in every microbatch)."""
+        it); a zero2 gradient is reduce-scattered in every microbatch too, unless summed whole; a
+        replicated gradient (and a zero2 one summed whole) is summed whole and reduced once, after
+        the loop."""
         rows = jax.tree.leaves(batch)[0].shape[0]
         if rows % m:
             raise ValueError(f"each device's batch slice has {rows} examples, not divisible into {m} "
@@ -531,8 +532,8 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
         the gradients (gradient accumulation): activation memory falls about m-fold. Each gradient
         is summed where the layout's ``accumulate`` says (``osdp_jax.strategies.accumulation``):
         a sharded parameter is gathered and reduce-scattered once per microbatch unless kept
-        (gathered once, reduce-scattered once); a replicated (or zero2) gradient is summed locally
-        and reduced once, unless a zero2 one is summed sharded. The loss and gradient equal those of the
+        (gathered once, reduce-scattered once); a zero2 gradient is reduce-scattered in each unless
+        summed whole; a replicated gradient is summed locally and reduced once. The loss and gradient equal those of the
         whole batch (mean of equal microbatches), up to float rounding. Default: the plan's
         ``microbatches`` (1 for a ``Layout``). Not with ``state=True``. With ``rng``, each
         microbatch gets the device's key folded with its index.
