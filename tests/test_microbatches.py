@@ -168,3 +168,26 @@ def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh
     assert np.isfinite(float(loss)) and step.reused  # the verified, accumulating step ran
     with pytest.raises(ValueError, match="microbatches must be positive integers"):
         osdp_jax.plan(params, mesh, budget=budget, microbatches=(0,), **kw)
+
+
+def test_a_stack_with_a_zero2_segment_accumulates_like_the_whole_batch(mesh):
+    """A layer stack whose first layer is zero2 and second zero3: with microbatches, the zero2
+    segment's gradient is reduce-scattered in each (its default), and the run equals the whole
+    batch's."""
+    from jax.sharding import PartitionSpec as P
+
+    from osdp_jax import Segment
+    _, params, loss_fn, batch = toy.stack_setup(n_layer=2, batch=32, abstract=False)
+    in_loop, _ = osdp_jax.discover(loss_fn, params, batch)
+    segs = {}
+    for i in osdp_jax.describe(params):
+        z = spec_for(i, "zero3", ("data",), 8, True) if i.path in in_loop else None
+        if z is not None:
+            segs[i.path] = (Segment(0, 1, "zero2", 1, "full", P()), Segment(1, 2, "zero3", 1, "full", z))
+    assert segs
+    layout = osdp_jax.Layout.from_specs(params, mesh, {}, in_loop=in_loop, segments=segs)
+    whole, p1 = _run(params, loss_fn, layout, mesh, batch, 1)
+    accumulated, p2 = _run(params, loss_fn, layout, mesh, batch, 2)
+    np.testing.assert_allclose(accumulated, whole, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p2), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -180,8 +180,11 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
     """
     view = model_view(loss_fn, param_specs, gathering, options.embed_lookup)
     m = options.microbatches
-    kept, scattered = gathering.kept, gathering.summed_sharded
+    kept, whole = gathering.kept, gathering.zero2_whole
     state_specs = param_specs if state_specs is None else state_specs
+
+    def scattered(p, s, t) -> bool:  # a zero2 gradient (or segment's) summed in its shard
+        return sharded_dim(s) is None and sharded_dim(t) is not None and p not in whole
 
     def by_path(f, *trees):
         return jax.tree_util.tree_map_with_path(lambda path, *x: f(path_name(path), *x), *trees,
@@ -216,8 +219,8 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
                                 gathering.inside_microbatches(), options.embed_lookup)
         over = axes if len(axes) > 1 else axes[0]
 
-        def scatter(p, g, t):  # a zero2 gradient summed sharded: reduce-scattered in this microbatch
-            return jax.lax.psum_scatter(g, over, scatter_dimension=sharded_dim(t), tiled=True) if p in scattered else g
+        def scatter(p, g, s, t):  # a zero2 gradient summed in its shard: reduce-scattered in this microbatch
+            return jax.lax.psum_scatter(g, over, scatter_dimension=sharded_dim(t), tiled=True) if scattered(p, s, t) else g
 
         def one(total, xs):
             i, b = xs
@@ -227,12 +230,12 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
                            if sharded_dim(s) is not None and p not in kept else x, inner, param_specs)
             (loss, (aux, _)), g = value_and_grad(here, b, None, None if rng is None else jax.random.fold_in(rng, i),
                                                  inner_view)
-            g = by_path(scatter, g, state_specs)
+            g = by_path(scatter, g, param_specs, state_specs)
             return jax.tree.map(jax.numpy.add, total, (loss.astype(jax.numpy.float32), g)), aux
 
         zeros = (jax.numpy.zeros((), jax.numpy.float32),
-                 by_path(lambda p, x, t: jax.numpy.zeros(_shard_shape(x.shape, t, n) if p in scattered else x.shape,
-                                                         x.dtype), inner, state_specs))
+                 by_path(lambda p, x, s, t: jax.numpy.zeros(_shard_shape(x.shape, t, n) if scattered(p, s, t)
+                                                            else x.shape, x.dtype), inner, param_specs, state_specs))
         (loss, grads), auxs = jax.lax.scan(one, zeros, (jax.numpy.arange(m), split))
         aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if options.aux == "gather" else
                            (a.mean(0) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else a.sum(0)), auxs)
@@ -250,7 +253,7 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
         else:
             (loss, (aux, new_state)), grads = value_and_grad(params, batch, state, rng)
         # a gradient reduce-scattered in the loop (summed sharded) arrives as a shard, as a zero3 one does
-        done = by_path(lambda p, s, t: t if m > 1 and p in scattered else s, param_specs, state_specs)
+        done = by_path(lambda p, s, t: t if m > 1 and scattered(p, s, t) else s, param_specs, state_specs)
         grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, done, state_specs)
         aux = jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), aux)
         new_state = jax.tree.map(lambda x: _reduce_out(x, axes, "mean"), new_state)
@@ -277,7 +280,8 @@ class _Gathering(NamedTuple):
     units: dict  # path -> the unit (runtime.units) it is gathered at, on entry and in the backward pass
     unit_remat: str  # the remat policy units run under
     kept: frozenset = frozenset()  # sharded, gathered once per step and kept across microbatches
-    summed_sharded: frozenset = frozenset()  # zero2 gradients reduce-scattered in every microbatch
+    zero2_whole: frozenset = frozenset()  # zero2 gradients summed whole across microbatches (the others
+    #                                       are reduce-scattered in every microbatch)
 
     def inside_microbatches(self) -> "_Gathering":
         """The gathering of the microbatch loop's body: the kept weights arrive gathered."""
@@ -329,10 +333,10 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
     per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
                          and not layout.stacks_per_step)
     kept = frozenset(pl.path for pl in layout.params if pl.kept)
-    summed_sharded = frozenset(pl.path for pl in layout.params if pl.strategy == "zero2" and not pl.in_loop
-                               and accumulation("zero2", pl.accumulate) == "shard")
+    zero2_whole = frozenset(pl.path for pl in layout.params if pl.strategy == "zero2"
+                            and accumulation("zero2", pl.accumulate) == "whole")
     return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step, units,
-                      layout.unit_remat, kept, summed_sharded)
+                      layout.unit_remat, kept, zero2_whole)
 
 
 def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOptions()):
