@@ -267,6 +267,8 @@ def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
     p = osdp_jax.shard(params, mesh, quick)
     step(p, osdp_jax.init_opt_state(opt, p, quick, mesh), jax.device_put(batch, osdp_jax.batch_sharding(mesh, quick)))
     assert not step.reused  # a figures-only compile is never run
+    again = osdp_jax.plan(params, mesh, verify="figures", **kw)  # a budget sweep meets the layout again
+    assert again.layout == quick.layout and again.compiles == 0
     clear_compiled()
     full = osdp_jax.plan(params, mesh, **kw)
     assert quick.layout == full.layout and quick.xla_peak_bytes == full.xla_peak_bytes

@@ -7,7 +7,9 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
   cache was cleared (``jax.clear_caches``, ``osdp_jax.planning.clear_compiled``);
 - *cold*: ``plan()`` at the config's budget with the in-process probe cache and the kept compiled
   steps cleared: its probes at the smallest and largest batch size, and the verification compile;
-- *warm, second budget*: ``plan()`` again at 1.5x the budget, the probes in the process's cache.
+- *warm, second budget*: ``plan()`` again at 1.5x the budget, the probes in the process's cache;
+- *warm, figures only*: ``plan(verify="figures")`` at 1.25x the budget (what a budget sweep
+  does: the chosen plan compiled for XLA's figures only, not to be run).
 
 (Training after planning compiles nothing: ``make_train_step`` runs the verification compile,
 ``TrainStep.reused``; ``tests/test_plan.py`` checks it.)
@@ -36,10 +38,10 @@ from osdp_jax.planning import clear_compiled, clear_probe_cache  # noqa: E402
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
 
 
-def _plan(s, budget):
+def _plan(s, budget, verify=True):
     cfg = dataclasses.replace(s.cfg, plan=dataclasses.replace(s.cfg.plan, budget=str(budget)))
     t0 = time.perf_counter()
-    plan = runner.make_plan(dataclasses.replace(s, cfg=cfg))
+    plan = runner.make_plan(dataclasses.replace(s, cfg=cfg), verify=verify)
     return plan, time.perf_counter() - t0
 
 
@@ -51,6 +53,7 @@ def measure(name: str) -> dict:
     jax.clear_caches()
     cold, cold_s = _plan(s, budget)
     warm, warm_s = _plan(s, int(1.5 * budget))
+    figures, figures_s = _plan(s, int(1.25 * budget), verify="figures")
     clear_compiled()
     jax.clear_caches()
     batch = s.abstract_batch(cold.batch_size)
@@ -58,7 +61,8 @@ def measure(name: str) -> dict:
     osdp_jax.compile_step(s.loss_fn, s.optimizer, s.abstract_params(), batch, s.mesh, cold)
     one = time.perf_counter() - t0
     return dict(name=name, one=one, cold=cold_s, cold_compiles=cold.compiles, warm=warm_s,
-                warm_compiles=warm.compiles, same=warm.layout == cold.layout)
+                warm_compiles=warm.compiles, same=warm.layout == cold.layout, figures=figures_s,
+                figures_compiles=figures.compiles)
 
 
 def main():
@@ -71,20 +75,26 @@ def main():
         rows.append(r)
         print(f"{name}: one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s ({r['cold_compiles']} compiles, "
               f"ratio {r['cold'] / r['one']:.1f}); second budget {r['warm']:.1f} s ({r['warm_compiles']} compiles, "
-              f"ratio {r['warm'] / r['one']:.2f})", flush=True)
+              f"ratio {r['warm'] / r['one']:.2f}); third, figures only {r['figures']:.1f} s ({r['figures_compiles']} "
+              f"compiles, ratio {r['figures'] / r['one']:.2f})", flush=True)
     lines = ["# Planning time", "",
              "Measured with `python experiments/benchmarks/planning_time.py` on this 2-core machine, 8 simulated",
              "CPU devices, JAX's persistent compilation cache off. Ratios are `plan()` wall time over one compile",
              "of the chosen train step, measured in the same run. Issue 16's targets: cold <= 3, warm <= 0.5.", "",
-             "| config | one compile | cold plan() | compiles | cold ratio | plan() at 1.5x budget | compiles | warm ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | one compile | cold plan() | compiles | cold ratio | plan() at 1.5x budget | compiles | warm ratio "
+             "| plan(verify=\"figures\") at 1.25x | compiles | its ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['one']:.1f} s | {r['cold']:.1f} s | {r['cold_compiles']} | "
                      f"{r['cold'] / r['one']:.1f} | {r['warm']:.1f} s{' (same plan)' if r['same'] else ''} | "
-                     f"{r['warm_compiles']} | {r['warm'] / r['one']:.2f} |")
+                     f"{r['warm_compiles']} | {r['warm'] / r['one']:.2f} | {r['figures']:.1f} s | "
+                     f"{r['figures_compiles']} | {r['figures'] / r['one']:.2f} |")
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",
               "not one); the cold plans compile every probe (up to six kinds at two batch sizes) and the chosen",
-              "plan; at the second budget only a plan that was not compiled before is.", ""]
+              "plan; at the second budget only a plan that was not compiled before is. Probes are compiled for",
+              "their figures only (no LLVM optimisation); the chosen plan in full (training runs that",
+              "executable), except in the last columns: a third budget, on the same warm probe cache, with the",
+              "plan compiled for its figures only (`verify=\"figures\"`, as `compare --budgets` does).", ""]
     out = pathlib.Path("experiments/results/planning_time.md")
     out.write_text("\n".join(lines))
     print(f"wrote {out}")

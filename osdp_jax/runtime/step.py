@@ -407,6 +407,17 @@ def jit_step(step):
 # has (a plan whose layout a probe or an earlier plan compiled).
 _COMPILED: "collections.OrderedDict" = collections.OrderedDict()
 _KEEP = 8  # compiled steps kept (each holds its executable)
+# Steps compiled for their figures only (``FIGURES_ONLY``) are kept apart, never run: a budget
+# sweep meets the same layout at several budgets, and compiles it once.
+_FIGURES: "collections.OrderedDict" = collections.OrderedDict()
+_KEEP_FIGURES = 32
+
+
+def _keep(kept: "collections.OrderedDict", key, compiled, most: int) -> None:
+    kept[key] = compiled
+    kept.move_to_end(key)
+    while len(kept) > most:
+        kept.popitem(last=False)
 
 
 def _sharding_key(sharding, ndim: int):
@@ -443,8 +454,9 @@ def compile_count() -> int:
 
 
 def clear_compiled() -> None:
-    """Forget the compiled steps kept for reuse."""
+    """Forget the compiled steps kept for reuse (and those compiled for their figures only)."""
     _COMPILED.clear()
+    _FIGURES.clear()
 
 
 class TrainStep:
@@ -618,18 +630,14 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_on
     step_options = StepOptions(**options)
     traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
-    compiled = _COMPILED.get(key) if key is not None else None
+    kept = _FIGURES if figures_only and key not in _COMPILED else _COMPILED  # a runnable one serves both
+    compiled = kept.get(key) if key is not None else None
     if compiled is None:
         compiled = traced.lower().compile(compiler_options=FIGURES_ONLY if figures_only else None)
         global _COMPILES
         _COMPILES += 1
-        if figures_only:
-            return compiled, loop_flops(traced.jaxpr)
     if key is not None:
-        _COMPILED[key] = compiled
-        _COMPILED.move_to_end(key)
-        while len(_COMPILED) > _KEEP:
-            _COMPILED.popitem(last=False)
+        _keep(kept, key, compiled, _KEEP_FIGURES if kept is _FIGURES else _KEEP)
     return compiled, loop_flops(traced.jaxpr)
 
 
