@@ -30,7 +30,7 @@ from ._strategies import (DEFAULT_SPLITS, GATHERED, accumulation, axes_size, che
                           check_strategies, data_axes)
 from ._units import format_bytes, parse_bytes
 from ._verify import verify
-from .runtime.step import compile_count, profile_step
+from .runtime.step import compile_count, compile_seconds, profile_step
 
 log = logging.getLogger("osdp_jax")
 
@@ -119,36 +119,60 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     counts = check_microbatches(o.microbatches, None if o.loss_fn is None else batches, axes_size(mesh, axes))
     counts = counts if o.loss_fn is not None else (1,)
 
-    def run(p):
-        return _fastest([functools.partial(one, p, m=m) for m in counts], start)
-    if o.units is not None or not problem.units:
-        return run(problem)
-    # the default policy found units: a unit saves memory for one more gather (and, under the
-    # default "full" unit remat, its forward pass again), so plan with and without them and keep
-    # the faster plan (the all-replicate probe is the same in both, and compiled once)
-    best = _fastest([functools.partial(run, p) for p in (problem, dataclasses.replace(problem, units={}))], start)
-    log.info("units: %s", "used" if best.units else "not used")
+    # with the default unit policy's units, also without them: a unit saves memory for one more
+    # gather (and, under the default "full" unit remat, its forward pass again)
+    problems = [problem] if o.units is not None or not problem.units else [problem, dataclasses.replace(problem, units={})]
+    n0, s0 = compile_count(), compile_seconds()
+    best = _fastest([functools.partial(one, p, m=m) for p in problems for m in counts], o)
+    if len(problems) > 1:
+        log.info("units: %s", "used" if best.units else "not used")
+    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
+                               compile_seconds=compile_seconds() - s0)
+
+
+def _fastest(runs, o: PlanOptions) -> Plan:
+    """The plan of highest predicted throughput among ``runs`` (each ``run(o=options) -> Plan``:
+    one problem, with or without units, at one microbatch count); the least
+    ``InfeasibleBudgetError`` when none fits.
+
+    With several runs, each is first planned without verification (its probes are compiled, or
+    cached); then they are verified best first, until the best verified plan is at least as fast
+    as the next unverified one (verification only lowers a plan's budget, so it never makes a
+    plan faster): one verification compile where there used to be one per run."""
+    if len(runs) == 1:
+        return runs[0](o=o)
+    drafts, errors, left = [], [], []
+    for run in runs:
+        try:
+            drafts.append((run(o=dataclasses.replace(o, verify=False)), run))
+        except InfeasibleBudgetError as e:  # the model says none fits; a probe may still, by XLA
+            errors.append(e)
+            left.append(run)
+    if not o.verify or o.loss_fn is None:
+        plans = [d for d, _ in drafts]
+        if not plans:
+            raise min(errors, key=lambda e: e.min_bytes)
+        return max(plans, key=_speed)
+    best = None
+    for draft, run in sorted(drafts, key=lambda dr: _speed(dr[0]), reverse=True) + [(None, r) for r in left]:
+        if best is not None and draft is not None and _speed(best) >= _speed(draft):
+            break
+        if best is not None and draft is None:
+            break
+        try:
+            plan = run(o=o)
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+            continue
+        best = plan if best is None or _speed(plan) > _speed(best) else best
+    if best is None:
+        raise min(errors, key=lambda e: e.min_bytes)
     return best
 
 
-def _fastest(runs, start) -> Plan:
-    """The plan of highest predicted throughput among ``runs`` (callables); the least
-    ``InfeasibleBudgetError`` when none fits."""
-    plans, errors = [], []
-    for run in runs:
-        try:
-            plans.append(run())
-        except InfeasibleBudgetError as e:
-            errors.append(e)
-    if not plans:
-        raise min(errors, key=lambda e: e.min_bytes)
-    if len(plans) == 1:
-        return plans[0]
-    best = max(plans, key=lambda p: (p.predicted_samples_per_second or -p.predicted_step_seconds or 0.0,
-                                     -p.predicted_peak_bytes))
-    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start,
-                               compiles=max(p.compiles for p in plans),
-                               compile_seconds=max(p.compile_seconds for p in plans))
+def _speed(plan: Plan) -> tuple:
+    """What ``_fastest`` maximises: predicted samples/s (or the shortest step), then the least memory."""
+    return (plan.predicted_samples_per_second or -(plan.predicted_step_seconds or 0.0), -plan.predicted_peak_bytes)
 
 
 def _accumulated(t, m: int, problem: Problem):

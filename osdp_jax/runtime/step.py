@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import NamedTuple
 
 import jax
@@ -445,12 +446,18 @@ def _reuse_key(loss_fn, optimizer, mesh, layout, options, args):
 
 
 _COMPILES = 0  # steps XLA compiled in this process through compile_counted
+_COMPILE_SECONDS = 0.0  # and the seconds those compiles took
 
 
 def compile_count() -> int:
     """How many steps ``compile_step``/``profile_step`` (and the planner) have compiled in this
     process; a step found among the kept ones is not counted."""
     return _COMPILES
+
+
+def compile_seconds() -> float:
+    """Seconds the compiles :func:`compile_count` counts took."""
+    return _COMPILE_SECONDS
 
 
 def clear_compiled() -> None:
@@ -633,9 +640,11 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_on
     kept = _FIGURES if figures_only and key not in _COMPILED else _COMPILED  # a runnable one serves both
     compiled = kept.get(key) if key is not None else None
     if compiled is None:
+        t0 = time.perf_counter()
         compiled = traced.lower().compile(compiler_options=FIGURES_ONLY if figures_only else None)
-        global _COMPILES
+        global _COMPILES, _COMPILE_SECONDS
         _COMPILES += 1
+        _COMPILE_SECONDS += time.perf_counter() - t0
     if key is not None:
         _keep(kept, key, compiled, _KEEP_FIGURES if kept is _FIGURES else _KEEP)
     return compiled, loop_flops(traced.jaxpr)
