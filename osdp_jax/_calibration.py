@@ -254,7 +254,8 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
-                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2))
+                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
+                        problem.last_unit_mask())
         timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
                  for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
         if timed:

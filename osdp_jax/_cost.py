@@ -145,15 +145,18 @@ class Calibration:
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
         p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
         split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None,
-        zero2: StepProfile | None = None) -> Calibration:
+        zero2: StepProfile | None = None, last: np.ndarray | None = None) -> Calibration:
     """kappa, zeta, sigma and the units' FLOPs from the probes (module docstring); ``loop`` marks
     the parameters gathered at use (per layer, or at a unit: ``unit`` marks those).
 
     ``split`` is the all-zero3 step with every per-layer splittable kernel split at its largest
     k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels. ``zero2`` is the step
-    with every shardable per-step parameter zero2 (xi; None: xi stays 1 + rho).
+    with every shardable per-step parameter zero2 (xi; None: xi stays 1 + rho). ``last`` marks
+    the parameters of the unit called last, which save no temp (``cost_tables``), so kappa is
+    per byte of the others.
     """
-    z_loop = p[can_shard & loop].sum()
+    saves = loop if last is None else loop & ~last
+    z_loop = p[can_shard & saves].sum()
     top_sh, top_fixed = p[can_shard & ~loop].sum(), p[~can_shard & ~loop].sum()
     kappa = (replicate.temp_bytes - per_layer.temp_bytes) / z_loop if per_layer and z_loop else 0.0
     zeta = 0.0
@@ -303,7 +306,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 opt_bytes: np.ndarray, other_opt_bytes: int, topo: Topology | int, hw: Hardware,
                 batch_bytes: int, calibration: Calibration | None,
                 in_loop: frozenset = frozenset(), units: frozenset = frozenset(),
-                overlap: float = 0.0, gather_ratio: np.ndarray | None = None) -> CostTables:
+                overlap: float = 0.0, gather_ratio: np.ndarray | None = None,
+                last_unit: frozenset = frozenset()) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -323,6 +327,11 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
         (``Calibration.unit_flops`` per byte, under the default "full" unit remat).
       overlap: the share of the smaller pool alive beside the larger at the peak (0: their max;
         1: their sum), fitted on a compiled mixed plan (``_planner``).
+      last_unit: paths of the unit the forward pass calls last. Its backward pass runs first, at
+        the activation peak, where its forward pass runs again (or its activations are still
+        saved) either way, so sharding it saves no temp: measured on the einsum LM of
+        ``experiments/benchmarks/foreign.py`` (8 unrolled blocks), sharding any one block but the
+        last took 1.69 MiB (3.2 bytes per parameter byte) off XLA's temp, the last 0.00 MiB.
       gather_ratio: per parameter, bytes a zero3/hsdp collective moves per byte stored (0.5 for a
         float32 parameter gathered in bfloat16, ``plan(compute_dtype=)``); the memory terms need
         no ratio, since the probes are compiled with the same gathers.
@@ -332,6 +341,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     p = np.array([i.nbytes for i in infos], dtype=np.float64)
     layers = np.array([i.shape[0] if i.path in in_loop else int(i.path in units) for i in infos])
     unit = np.array([i.path in units for i in infos], dtype=bool)
+    saves = np.array([i.path not in last_unit for i in infos], dtype=bool)
     loop = layers > 0
     o = opt_bytes.astype(np.float64)
     if calibration is None:
@@ -361,7 +371,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             mem[top, s] += cal.xi * p[top]
         else:
             mem[ok, s] = ((p + o) / (n if name == "zero3" else topo.inner))[ok]
-            mem[per_layer, s] -= cal.kappa * p[per_layer]
+            mem[per_layer & saves, s] -= cal.kappa * p[per_layer & saves]
             pools[top, s, 1] = cal.zeta * p[top] / k
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]

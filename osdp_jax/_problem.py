@@ -44,6 +44,7 @@ class Problem:
     units: dict = dataclasses.field(default_factory=dict)  # path -> unit it is gathered at when sharded
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
     compute_dtype: str = ""  # sharded parameters gathered in this dtype ("": their own)
+    last_unit: str = ""  # the unit the forward pass calls last (its backward pass runs first)
 
     def gather_ratio(self) -> np.ndarray:
         """Per parameter, bytes gathered per byte stored: itemsize(compute_dtype) / its itemsize
@@ -85,6 +86,10 @@ class Problem:
     def loop_mask(self) -> np.ndarray:
         """Parameters gathered where they are used, one layer or unit at a time, not once per step."""
         return np.array([i.path in self.in_loop or i.path in self.units for i in self.infos])
+
+    def last_unit_mask(self) -> np.ndarray:
+        """The parameters of :attr:`last_unit` (none without units)."""
+        return np.array([bool(self.last_unit) and self.units.get(i.path) == self.last_unit for i in self.infos])
 
     def at_use(self) -> frozenset[str]:
         """Paths of the parameters :meth:`loop_mask` marks."""
@@ -145,7 +150,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     under zero3) is replicated, the one layout that always applies.
     """
     infos = tuple(describe(params))
-    in_loop, dense, splittable, stacks, unit_of = frozenset(), frozenset(), frozenset(), (), {}
+    in_loop, dense, splittable, stacks, unit_of, last_unit = frozenset(), frozenset(), frozenset(), (), {}, ""
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         shapes = {i.path: i.shape for i in infos}
@@ -156,6 +161,8 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
         dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
         unit_of = from_found(found, infos, units)
+        chosen = set(unit_of.values())
+        last_unit = next((name for _, name, _ in reversed(found.units) if name in chosen), "")
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
@@ -164,6 +171,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
                       in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),
+                      last_unit=last_unit,
                       compute_dtype=compute_dtype)
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     options = []

@@ -145,3 +145,23 @@ def test_pool_overlap_fitted_on_a_compiled_plan_predicts_the_next(mesh):
     second = osdp_jax.plan(params, mesh, budget=int(fsdp + 0.6 * (ddp - fsdp)), **kw)
     assert second.pool_overlap == first.pool_overlap and second.xla_peak_bytes <= second.budget_bytes
     assert abs(second.predicted_peak_bytes - second.xla_peak_bytes) <= 0.05 * second.xla_peak_bytes
+
+
+def test_the_unit_called_last_saves_no_temp(mesh):
+    """The einsum LM of the foreign-models benchmark, between the FSDP peaks with and without
+    units: the plan shards 7 of the 8 units, keeps the last one replicated, fits by XLA and is
+    predicted within 6%. The unit the forward pass calls last is known to the problem and charged
+    no temp saving (its backward pass runs first, at the activation peak); charged as the others,
+    this plan was predicted 14.7% high. What is left, -5.5%: with the last unit replicated, the
+    peak moves to the second-to-last unit's backward pass, beside the last unit's gradient."""
+    from osdp_jax.planning import build_problem
+    params, loss_fn, batch = foreign.einsum_lm(layers=8, d=128, batch=32)
+    opt = optax.adam(1e-3)
+    units = osdp_jax.units.find(loss_fn, params, batch)
+    problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1,), loss_fn, batch)
+    assert problem.last_unit == "block_7" and set(problem.units.values()) == set(units.values())
+    peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
+    low, high = peak(osdp_jax.Layout.fsdp(params, mesh, units=units)), peak(osdp_jax.Layout.fsdp(params, mesh))
+    plan = osdp_jax.plan(params, mesh, budget=int(low + (high - low) / 3), loss_fn=loss_fn, batch=batch, optimizer=opt)
+    assert len(plan.units) == 7 and "block_7" not in plan.units and plan.xla_peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.06 * plan.xla_peak_bytes, plan.summary()
