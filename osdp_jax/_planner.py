@@ -157,10 +157,8 @@ def _fastest(runs, o: PlanOptions) -> Plan:
         return max(plans, key=_speed)
     best = None
     for draft, run in sorted(drafts, key=lambda dr: _speed(dr[0]), reverse=True) + [(None, r) for r in left]:
-        if best is not None and draft is not None and _speed(best) >= _speed(draft):
-            break
-        if best is not None and draft is None:
-            break
+        if best is not None and (draft is None or _speed(best) >= _speed(draft)):
+            break  # nothing left can beat it (the runs the model found infeasible are a last resort)
         try:
             plan = run(o=o)
         except InfeasibleBudgetError as e:
