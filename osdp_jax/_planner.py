@@ -112,14 +112,12 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
                             None if o.batch is None else batches[min(batches)], o.units, o.unit_remat,
                             check_dtype(o.compute_dtype))
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
+    one = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
+                            abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
+                            start=start)
     # the counts some batch size splits into; without a loss function nothing is accumulated
     counts = check_microbatches(o.microbatches, None if o.loss_fn is None else batches, axes_size(mesh, axes))
     counts = counts if o.loss_fn is not None else (1,)
-    n = axes_size(mesh, axes)
-    probe_sizes = tuple(sorted({b // m for b in batches for m in counts if b % (n * m) == 0})) if o.loss_fn else ()
-    one = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
-                            abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
-                            start=start, probe_sizes=probe_sizes)
 
     # with the default unit policy's units, also without them: a unit saves memory for one more
     # gather (and, under the default "full" unit remat, its forward pass again)
@@ -203,24 +201,19 @@ def _accumulated(t, m: int, problem: Problem):
 
 
 def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget, optimizer, abstract, batches,
-                  policies, calibrator, start, m: int = 1, probe_sizes=()) -> Plan:
+                  policies, calibrator, start, m: int = 1) -> Plan:
     """calibrate -> cost -> search -> verify -> build, for one problem, with each global batch
-    size run as ``m`` microbatches (probed and costed at the microbatch's size). ``probe_sizes``:
-    the microbatch sizes of every count searched; calibration probes the smallest and the largest
-    and interpolates the others, so each count reads the same probes."""
+    size run as ``m`` microbatches (probed and costed at the microbatch's size)."""
     strategies, axes = problem.strategies, problem.axes
     if m > 1:  # global sizes m microbatches divide; the probes run one microbatch
         n = axes_size(mesh, axes)
         batches = {b: x for b, x in batches.items() if b % (n * m) == 0}
-    if o.loss_fn is not None:
-        like = batches[min(batches)]
-        probes = {s: jax.tree.map(lambda x: jax.ShapeDtypeStruct((s, *x.shape[1:]), x.dtype), like)
-                  for s in sorted(set(probe_sizes) | {b // m for b in batches})}
-        probe_batches = {b: probes[b // m] for b in batches}
-        calibrated = calibrate(problem, calibrator, probes, hw, o.measure_time, _progress, policies)
-    else:  # nothing to probe (m is 1)
-        probe_batches, calibrated = batches, uncalibrated(batches)
-    calibrations = {b: calibrated.calibrations[b if b is None else b // m] for b in batches}
+        probe_batches = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // m, *x.shape[1:]), x.dtype), x)
+                         for b, x in batches.items()}
+    else:
+        probe_batches = batches
+    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies)
+                  if o.loss_fn is not None else uncalibrated(batches))
     problem = problem.with_accumulation() if m > 1 else problem  # where each gradient is summed, searched too
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
@@ -229,13 +222,13 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         out = {}
         for b in batches:
             t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
-                            problem.topo, hw, _batch_bytes(batches[b]), calibrations[b], problem.in_loop,
+                            problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
                             frozenset(problem.units), overlap, problem.gather_ratio(),
                             frozenset(p for p, u in problem.units.items() if u == problem.last_unit))
             if m > 1:  # the whole global batch is an argument; the probe held one microbatch of it
                 t = dataclasses.replace(_accumulated(t, m, problem), base_mem=t.base_mem + (
                     _batch_bytes(batches[b]) - _batch_bytes(probe_batches[b])) / axes_size(mesh, axes))
-            remat = calibrated.remat.get(b if b is None else b // m)
+            remat = calibrated.remat.get(b)
             if remat and m > 1:
                 remat = {policy: (temp, seconds * m) for policy, (temp, seconds) in remat.items()}
             out[b] = expand(problem, t, remat, policies, o.per_layer)
