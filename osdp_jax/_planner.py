@@ -184,19 +184,18 @@ def _accumulated(t, m: int, problem: Problem):
       (m + 1) / 2 its one-step collective time);
     - ``"whole"``: summed into an accumulator of p bytes, reduced once; a zero3/hsdp weight
       (kept) is gathered once, before the loop, and stays alive through it: p bytes more for the
-      step.
+      step. A zero2 stack always sums whole (``runtime.step``).
     """
     if m == 1:
         return t
     time_, mem = t.time.copy(), t.mem.copy()
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
+    stacked = np.array([i.path in problem.in_loop for i in problem.infos])
     for c, (strategy, _, *rest) in enumerate(t.columns):
-        summed = accumulation(strategy, *rest)
-        if summed == "whole":
-            mem[:, c] += p * (2 if strategy in GATHERED else 1)
-        else:
-            mem[:, c] += p / (problem.topo.inner if strategy == "hsdp" else problem.n)
-            time_[:, c] *= m if strategy in GATHERED else (m + 1) / 2
+        whole = stacked & (strategy == "zero2") | (accumulation(strategy, *rest) == "whole")
+        mem[whole, c] += (p * (2 if strategy in GATHERED else 1))[whole]
+        mem[~whole, c] += (p / (problem.topo.inner if strategy == "hsdp" else problem.n))[~whole]
+        time_[~whole, c] *= m if strategy in GATHERED else (m + 1) / 2
     return dataclasses.replace(t, time=time_, mem=mem, base_time=t.base_time * m)
 
 

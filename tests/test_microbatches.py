@@ -172,8 +172,8 @@ def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh
 
 def test_a_stack_with_a_zero2_segment_accumulates_like_the_whole_batch(mesh):
     """A layer stack whose first layer is zero2 and second zero3: with microbatches, the zero2
-    segment's gradient is reduce-scattered in each (its default), and the run equals the whole
-    batch's."""
+    segment's gradient is summed whole and reduce-scattered once, the zero3 one's in each
+    microbatch, and the run equals the whole batch's."""
     from jax.sharding import PartitionSpec as P
 
     from osdp_jax import Segment

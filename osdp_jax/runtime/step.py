@@ -184,7 +184,7 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
     kept, whole = gathering.kept, gathering.zero2_whole
     state_specs = param_specs if state_specs is None else state_specs
 
-    def scattered(p, s, t) -> bool:  # a zero2 gradient (or segment's) summed in its shard
+    def scattered(p, s, t) -> bool:  # a zero2 gradient summed in its shard (a stack's: whole, below)
         return sharded_dim(s) is None and sharded_dim(t) is not None and p not in whole
 
     def by_path(f, *trees):
@@ -334,8 +334,11 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
     per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
                          and not layout.stacks_per_step)
     kept = frozenset(pl.path for pl in layout.params if pl.kept)
-    zero2_whole = frozenset(pl.path for pl in layout.params if pl.strategy == "zero2"
-                            and accumulation("zero2", pl.accumulate) == "whole")
+    # a zero2 stack (or segment) sums its gradient whole: reduce-scattering every layer's in every
+    # microbatch costs m times the collectives, and zero3 is there for the memory
+    zero2_whole = frozenset(p for pl in layout.params for p in (
+        [f"{pl.path}/{j}" for j in range(len(pl.segments))] + [pl.path] if pl.in_loop else
+        [pl.path] if pl.strategy == "zero2" and accumulation("zero2", pl.accumulate) == "whole" else []))
     return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step, units,
                       layout.unit_remat, kept, zero2_whole)
 
