@@ -274,9 +274,10 @@ def _check_accumulate(path: str, strategy: str, accumulate: str, in_loop: bool, 
         whole = accumulation(strategy, accumulate) == "whole"
     except ValueError as e:
         raise ValueError(f"parameter {path!r}: {e}") from None
-    if in_loop and accumulate != accumulation(strategy):
+    if in_loop:
         raise ValueError(f"parameter {path!r} is layer-stacked: its gradient accumulates as its segments' "
-                         f"strategies do; leave its accumulate unset")
+                         f"strategies do (zero3/hsdp in its shard, replicate and zero2 whole); leave its "
+                         f"accumulate unset")
     if whole and strategy in GATHERED and (unit or split > 1):
         where = "in a unit (gathered at it)" if unit else f"split in {split}"
         raise ValueError(f"parameter {path!r} is {where}, so it cannot be kept gathered across microbatches "

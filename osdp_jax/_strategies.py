@@ -28,6 +28,10 @@ the microbatches either *whole* or in its *shard* (:data:`ACCUMULATE`, :func:`ac
   across the microbatches (p bytes more, alive through the loop): one all-gather and one
   reduce-scatter per step. Not for a layer-stacked parameter (gathered per layer), a unit's
   (gathered at its unit) or a split kernel.
+
+A layer stack's gradients accumulate as its segments' strategies do, with no choice: zero3/hsdp
+in the shard, replicate and zero2 whole (reduce-scattering every layer's zero2 gradient in every
+microbatch costs m times the collectives, and zero3 is there for the memory).
 """
 from __future__ import annotations
 
