@@ -192,20 +192,13 @@ class Layout:
         if unknown:
             raise KeyError(f"layout names parameters the params do not have: {unknown[:3]}")
         splits, segments, in_loop = dict(splits or {}), dict(segments or {}), set(in_loop) | set(segments or {})
-        units = dict(units or {})
-        for what, named in (("segments", segments), ("units", units)):
+        units, accumulate, zero2 = dict(units or {}), dict(accumulate or {}), set(zero2)
+        for what, named in (("segments name", segments), ("units name", units), ("accumulate names", accumulate),
+                            ("zero2 names", zero2)):
             unknown = sorted(set(named) - {i.path for i in infos})
             if unknown:
-                raise KeyError(f"{what} name parameters the params do not have: {unknown[:3]}")
+                raise KeyError(f"{what} parameters the params do not have: {unknown[:3]}")
         gather_dtype = check_dtype(gather_dtype, "gather_dtype")
-        accumulate = dict(accumulate or {})
-        unknown = sorted(set(accumulate) - {i.path for i in infos})
-        if unknown:
-            raise KeyError(f"accumulate names parameters the params do not have: {unknown[:3]}")
-        zero2 = set(zero2)
-        unknown = sorted(zero2 - {i.path for i in infos})
-        if unknown:
-            raise KeyError(f"zero2 names parameters the params do not have: {unknown[:3]}")
         stacked_units = sorted(set(units) & in_loop)
         if stacked_units:
             raise ValueError(f"parameter {stacked_units[0]!r} is layer-stacked (gathered per layer by "

@@ -192,7 +192,7 @@ def _accumulated(t, m: int, problem: Problem):
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     stacked = np.array([i.path in problem.in_loop for i in problem.infos])
     for c, (strategy, _, *rest) in enumerate(t.columns):
-        whole = stacked & (strategy == "zero2") | (accumulation(strategy, *rest) == "whole")
+        whole = (stacked & (strategy == "zero2")) | (accumulation(strategy, *rest) == "whole")
         mem[whole, c] += (p * (2 if strategy in GATHERED else 1))[whole]
         mem[~whole, c] += (p / (problem.topo.inner if strategy == "hsdp" else problem.n))[~whole]
         time_[~whole, c] *= m if strategy in GATHERED else (m + 1) / 2

@@ -38,9 +38,9 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
       build: ``build(candidate, xla_peak=None) -> Plan``.
       xla_peak: ``xla_peak(plan) -> bytes``, compiling the plan's step.
       known: ``(candidate, xla_peak)`` pairs already compiled (the calibration probes): a choice
-        among them is verified by its figure, with no compile. When the search's choices do not fit, the fastest known one that fits is taken unless the
-        least-memory candidate is predicted faster and fits; the minimum reported never exceeds
-        a peak that was measured.
+        among them is verified by its figure, with no compile. When the search's choices do not
+        fit, the fastest known one that fits is taken unless the least-memory candidate is
+        predicted faster and fits; the minimum reported never exceeds a peak that was measured.
 
     Raises:
       InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured

@@ -151,16 +151,20 @@ class StepOptions:
         return loss, aux, new_state
 
 
+def _scatter(g, state: P, axes):
+    """A whole local gradient reduce-scattered (summed) to the shard its state ``state`` keeps."""
+    return jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=sharded_dim(state), tiled=True)
+
+
 def _reduce_grad(g, spec: P, state: P, axes, n: int):
     """One parameter's local gradient, averaged over the devices: an all-reduce for a replicated
     one, a reduce-scatter to its state's shard for zero2; a zero3/hsdp one arrives already
     reduce-scattered (by :func:`gather`'s backward pass), summed."""
     if sharded_dim(spec) is not None:
         return g / n
-    dim = sharded_dim(state)
-    if dim is None:
+    if sharded_dim(state) is None:
         return jax.lax.pmean(g, axes)
-    return jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True) / n
+    return _scatter(g, state, axes) / n
 
 
 def _shard_shape(shape, spec: P, n: int) -> tuple:
@@ -218,10 +222,8 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
         inner = by_path(lambda p, x: gathered[p] if p in kept else x, params)
         inner_view = model_view(loss_fn, by_path(lambda p, s: P() if p in kept else s, param_specs),
                                 gathering.inside_microbatches(), options.embed_lookup)
-        over = axes if len(axes) > 1 else axes[0]
-
         def scatter(p, g, s, t):  # a zero2 gradient summed in its shard: reduce-scattered in this microbatch
-            return jax.lax.psum_scatter(g, over, scatter_dimension=sharded_dim(t), tiled=True) if scattered(p, s, t) else g
+            return _scatter(g, t, axes) if scattered(p, s, t) else g
 
         def one(total, xs):
             i, b = xs
@@ -626,7 +628,7 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
 
 # A probe only needs XLA's figures: buffer assignment (the memory figures) and the cost analysis run
 # on the optimised HLO, before the backend's LLVM passes, which this option turns off (a compile
-# then takes about half the time on XLA:CPU; tests/test_profile.py checks the figures are equal).
+# then takes about half the time on XLA:CPU; tests/test_plan.py checks the figures are equal).
 FIGURES_ONLY = {"xla_backend_optimization_level": 0}
 
 
