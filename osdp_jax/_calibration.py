@@ -46,6 +46,8 @@ class ProbeKind(enum.Enum):
     REMAT_NONE = "N"  # as LAYER, every stack saving everything: the "none" remat terms
     ZERO2 = "T"  # every shardable per-step parameter zero2, the rest replicated: xi (only when
     #             the search may choose zero2)
+    LAST = "U"  # as LAYER, but the unit called last replicated: what sharding that unit saves
+    #            (``_cost.fit``; only with two units or more, at the smallest batch size)
 
     def zero3(self, info, problem: Problem) -> bool:
         """Whether this probe makes ``info`` zero3. The remat probes shard the stacks (as LAYER):
@@ -53,6 +55,8 @@ class ProbeKind(enum.Enum):
         gradient buffers (whose share of the peak is a max, not a sum); measured on the
         all-replicated step they came out up to 3x too small at small batch sizes."""
         at_use = info.path in problem.in_loop or info.path in problem.units
+        if self is ProbeKind.LAST:
+            return at_use and problem.units.get(info.path) != problem.last_unit
         return {"R": False, "Z": True, "L": at_use, "S": True, "T": False}.get(self.value, at_use)
 
     def zero2(self, info, problem: Problem) -> bool:
@@ -191,6 +195,13 @@ def probe_kinds(problem: Problem) -> list[ProbeKind]:
     return kinds
 
 
+def last_probe(problem: Problem) -> bool:
+    """Whether the problem takes the LAST probe: it has two units or more, and the last one holds
+    a parameter that can be sharded."""
+    last = problem.last_unit_mask()
+    return len(set(problem.units.values())) >= 2 and bool((last & problem.can_shard()).any())
+
+
 def split_probe(problem: Problem) -> dict[str, int]:
     """The SPLIT probe's split counts: every per-layer splittable kernel at its largest k."""
     return {i.path: problem.split_ks[i.path, "zero3"][-1] for i in problem.infos
@@ -241,6 +252,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
     jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
     jobs += [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in remat_kinds(problem, policies)]
+    jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
     runs = {(kind, b): calibrator.profile(problem, kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
@@ -248,14 +260,16 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             for kind, b in progress(jobs, desc)}
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     can_shard, loop = problem.can_shard(), problem.loop_mask()
-    probed = {}
+    probed, last_saving = {}, None
     for b in sorted({sizes[0], sizes[-1]}):
         got = {kind: runs[kind, b][0] for kind in kinds}
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
                         got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
-                        problem.last_unit_mask())
+                        problem.last_unit_mask(), problem.saving_bytes(),
+                        runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving)
+        last_saving = probed[b].last_saving
         timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
                  for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
         if timed:

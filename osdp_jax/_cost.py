@@ -140,12 +140,15 @@ class Calibration:
     xi: float = 2.0  # temp bytes per byte of per-step parameter made zero2 (1 + RHO until fitted)
     compute_scale: float = 1.0  # measured / modelled compute seconds (timed probes; 1 if not timed)
     comm_scale: float = 1.0  # measured / modelled collective seconds
+    last_saving: float = 0.0  # temp bytes saved per byte of the last-called unit sharded, the others sharded
 
 
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
         p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
         split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None,
-        zero2: StepProfile | None = None, last: np.ndarray | None = None) -> Calibration:
+        zero2: StepProfile | None = None, last: np.ndarray | None = None,
+        weight: np.ndarray | None = None, but_last: StepProfile | None = None,
+        last_saving: float | None = None) -> Calibration:
     """kappa, zeta, sigma and the units' FLOPs from the probes (module docstring); ``loop`` marks
     the parameters gathered at use (per layer, or at a unit: ``unit`` marks those).
 
@@ -153,16 +156,26 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels. ``zero2`` is the step
     with every shardable per-step parameter zero2 (xi; None: xi stays 1 + rho). ``last`` marks
     the parameters of the unit called last, which save no temp (``cost_tables``), so kappa is
-    per byte of the others.
+    per byte of the others; ``weight`` the bytes kappa counts per parameter
+    (``Problem.saving_bytes``; default ``p``). ``but_last`` is the ``per_layer`` step with the
+    last unit replicated: what that unit saves, ``last_saving`` bytes per byte, is the difference
+    (``cost_tables``); without it, ``last_saving`` as given (fitted at another batch size), or 0.
     """
     saves = loop if last is None else loop & ~last
-    z_loop = p[can_shard & saves].sum()
+    weight = p if weight is None else weight
+    z_loop = weight[can_shard & saves].sum()
+    z_last = p[can_shard & loop & ~saves].sum()
     top_sh, top_fixed = p[can_shard & ~loop].sum(), p[~can_shard & ~loop].sum()
-    kappa = (replicate.temp_bytes - per_layer.temp_bytes) / z_loop if per_layer and z_loop else 0.0
+    if per_layer is not None and but_last is not None and z_last:
+        last_saving = (but_last.temp_bytes - per_layer.temp_bytes) / z_last
+    last_saving = last_saving or 0.0
+    kappa = ((replicate.temp_bytes - per_layer.temp_bytes - last_saving * z_last) / z_loop
+             if per_layer and z_loop else 0.0)
     zeta = 0.0
     if top_sh:
         # temp_Z = temp_R - 2 P_T + R_fixed + max(R_fixed, zeta Z_T) - kappa Z_L
-        rest = zero3.temp_bytes - replicate.temp_bytes + 2 * (top_sh + top_fixed) - top_fixed + kappa * z_loop
+        rest = (zero3.temp_bytes - replicate.temp_bytes + 2 * (top_sh + top_fixed) - top_fixed + kappa * z_loop
+                + last_saving * z_last)
         zeta = max(0.0, rest / top_sh)
     sigma = SIGMA_ESTIMATE
     if split is not None and split_share:
@@ -172,7 +185,7 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     xi = 1 + RHO
     if zero2 is not None and top_sh:  # never under replication's charge (see the module docstring)
         xi = max(1 + RHO, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
-    return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi)
+    return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi, last_saving=last_saving)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -279,7 +292,7 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
     lerp = lambda a, b: a + w * (b - a)  # noqa: E731
     return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma),
                        lerp(c0.unit_flops, c1.unit_flops), lerp(c0.xi, c1.xi), lerp(c0.compute_scale, c1.compute_scale),
-                       lerp(c0.comm_scale, c1.comm_scale))
+                       lerp(c0.comm_scale, c1.comm_scale), lerp(c0.last_saving, c1.last_saving))
 
 
 def fit_time(measured: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -307,7 +320,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 batch_bytes: int, calibration: Calibration | None,
                 in_loop: frozenset = frozenset(), units: frozenset = frozenset(),
                 overlap: float = 0.0, gather_ratio: np.ndarray | None = None,
-                last_unit: frozenset = frozenset()) -> CostTables:
+                last_unit: frozenset = frozenset(), saving: np.ndarray | None = None) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -332,6 +345,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
         saved) either way, so sharding it saves no temp: measured on the einsum LM of
         ``experiments/benchmarks/foreign.py`` (8 unrolled blocks), sharding any one block but the
         last took 1.69 MiB (3.2 bytes per parameter byte) off XLA's temp, the last 0.00 MiB.
+      saving: per parameter, the bytes the kappa term counts (``Problem.saving_bytes``: a unit's
+        share follows its saved activations); default its bytes.
       gather_ratio: per parameter, bytes a zero3/hsdp collective moves per byte stored (0.5 for a
         float32 parameter gathered in bfloat16, ``plan(compute_dtype=)``); the memory terms need
         no ratio, since the probes are compiled with the same gathers.
@@ -371,7 +386,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             mem[top, s] += cal.xi * p[top]
         else:
             mem[ok, s] = ((p + o) / (n if name == "zero3" else topo.inner))[ok]
-            mem[per_layer & saves, s] -= cal.kappa * p[per_layer & saves]
+            mem[per_layer & saves, s] -= cal.kappa * (p if saving is None else saving)[per_layer & saves]
+            mem[per_layer & ~saves, s] -= cal.last_saving * p[per_layer & ~saves]
             pools[top, s, 1] = cal.zeta * p[top] / k
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]

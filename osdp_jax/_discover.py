@@ -23,6 +23,7 @@ class Found(NamedTuple):
     dense: set  # paths of kernels that reach a dense layer
     stacks: tuple  # per layers.scan call, the paths of its parameters
     units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
+    saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
 
 
 def find(loss_fn, params, batch) -> Found:
@@ -39,7 +40,7 @@ def find(loss_fn, params, batch) -> Found:
         # would not call the hooks again
         jax.eval_shape(traced, params, batch)
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
-    return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units))
+    return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved))
 
 
 def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:

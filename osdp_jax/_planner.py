@@ -223,7 +223,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
             t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
                             problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
                             frozenset(problem.units), overlap, problem.gather_ratio(),
-                            frozenset(p for p, u in problem.units.items() if u == problem.last_unit))
+                            frozenset(p for p, u in problem.units.items() if u == problem.last_unit),
+                            problem.saving_bytes())
             if m > 1:  # the whole global batch is an argument; the probe held one microbatch of it
                 t = dataclasses.replace(_accumulated(t, m, problem), base_mem=t.base_mem + (
                     _batch_bytes(batches[b]) - _batch_bytes(probe_batches[b])) / axes_size(mesh, axes))

@@ -112,6 +112,7 @@ class StepContext:
     unit_remat: str = "full"  # the remat policy units run under
     in_unit: bool = False  # tracing inside a unit call: nested units run as plain calls
     recorded_units: list = dataclasses.field(default_factory=list)  # discovery: (kind, name, paths) per call
+    recorded_saved: dict = dataclasses.field(default_factory=dict)  # discovery: unit site -> saved activation bytes
 
     def wrap(self, array, path: str):
         """What the model gets for parameter ``path``: a :class:`SplitKernel` if the plan splits it

@@ -82,7 +82,8 @@ def _linen_unit(module, method: str, args, kwargs):
     if ctx.recording:
         variables = module.variables
         if set(variables) == {"params"}:
-            units.record("linen", name, variables["params"])
+            units.record("linen", name, variables["params"],
+                         lambda ps, *a, **kw: _apply_clone(module, method, {"params": ps}, *a, **kw), args, kwargs)
         return _NOT_A_UNIT
     if name not in ctx.units.values():
         return _NOT_A_UNIT

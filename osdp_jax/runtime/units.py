@@ -61,16 +61,50 @@ def _is_array(x) -> bool:
     return isinstance(x, jax.Array) or hasattr(x, "aval")
 
 
-def record(kind: str, name: str | None, tree) -> None:
+def record(kind: str, name: str | None, tree, fn=None, args=(), kwargs=None) -> None:
     """During discovery, note a possible unit: call site ``name`` of ``kind`` ("linen", "nnx" or
     "function"; None: named by the longest path prefix its parameters share) and the paths of
-    the parameters in ``tree``."""
+    the parameters in ``tree``; with ``fn``, the call ``fn(tree, *args, **kwargs)``'s saved
+    activations (:func:`saved_bytes`) are added to the site's (``StepContext.recorded_saved``)."""
     ctx = ACTIVE.get()
-    if ctx is None or not ctx.recording:
+    if ctx is None or not ctx.recording or ctx.in_unit:
         return
     paths = tuple(dict.fromkeys(p for p in (ctx.lookup(x) for x in jax.tree.leaves(tree)) if p is not None))
-    if paths:
-        ctx.recorded_units.append((kind, name or common_prefix(paths), paths))
+    if not paths:
+        return
+    name = name or common_prefix(paths)
+    ctx.recorded_units.append((kind, name, paths))
+    if fn is not None:
+        ctx.in_unit = True  # nested calls are neither recorded twice nor measured
+        try:
+            saved = saved_bytes(fn, tree, args, kwargs or {})
+        finally:
+            ctx.in_unit = False
+        ctx.recorded_saved[name] = ctx.recorded_saved.get(name, 0) + saved
+
+
+def saved_bytes(fn, tree, args, kwargs) -> int:
+    """Bytes of the values the backward pass of ``fn(tree, *args, **kwargs)`` keeps from its
+    forward pass, other than its inputs: the residuals of ``jax.vjp`` with respect to ``tree`` and
+    the floating-point arguments, traced abstractly (nothing runs). They are what a unit call
+    under full remat does not keep (it keeps its inputs and runs its forward pass again), before
+    XLA fuses any of them away: the planner uses them only to share a measured saving out among
+    units (``_cost``)."""
+    flat, args_def = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(flat) if _is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+
+    def f(t, xs):
+        given = list(flat)
+        for i, x in zip(dynamic, xs):
+            given[i] = x
+        a, kw = jax.tree.unflatten(args_def, given)
+        return fn(t, *a, **kw)
+
+    primals = (tree, [flat[i] for i in dynamic])
+    _, pullback = jax.vjp(f, *primals)
+    inputs = {id(x) for x in jax.tree.leaves(primals)}
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pullback)
+                   if _is_array(x) and id(x) not in inputs))
 
 
 def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
@@ -81,7 +115,7 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
     if ctx is None or ctx.in_unit:
         return fn(tree, *args, **kwargs)
     if ctx.recording:
-        record(kind, name, tree)
+        record(kind, name, tree, fn, args, kwargs)
         return fn(tree, *args, **kwargs)
     leaves, treedef = jax.tree.flatten(tree)
     mine = [i for i, x in enumerate(leaves) if isinstance(x, SplitKernel) and x.path in ctx.units
