@@ -102,11 +102,14 @@ class Problem:
         that shards every unit fits the same kappa either way. Measured on the ResNet of
         ``experiments/benchmarks/foreign.py`` (6 blocks, activations 4:4:2:2:1:1, parameters the
         reverse), sharding blocks 0, 3, 4 and 5 took 1.02 MiB off XLA's temp: counted by bytes the
-        model said 1.94, by activations 1.29. Without activation figures: the bytes."""
+        model said 1.94, by activations 1.29. Without a figure for every unit (a call ``jax.vjp``
+        could not trace): the bytes."""
         p = np.array([i.nbytes for i in self.infos], dtype=np.float64)
         saving = [u for u in set(self.units.values()) if u != self.last_unit]
-        acts = {u: float(self.unit_saved.get(u, 0.0)) for u in saving}
-        if not saving or sum(acts.values()) <= 0:
+        if not saving or any(self.unit_saved.get(u) is None for u in saving):
+            return p
+        acts = {u: float(self.unit_saved[u]) for u in saving}
+        if sum(acts.values()) <= 0:
             return p
         unit_bytes = {u: 0.0 for u in self.units.values()}
         for i in self.infos:
@@ -192,7 +195,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         unit_of = from_found(found, infos, units)
         chosen = set(unit_of.values())
         last_unit = next((name for _, name, _ in reversed(found.units) if name in chosen), "")
-        saved = {u: found.saved.get(u, 0) for u in chosen}
+        saved = {u: found.saved.get(u) for u in chosen}
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))

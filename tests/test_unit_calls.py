@@ -204,3 +204,29 @@ def test_units_share_the_measured_saving_by_their_activations(mesh):
     saving = np.logical_or.reduce([m for u, m in unit.items() if u != "ResBlock_5"])
     np.testing.assert_allclose(w[saving].sum(), p[saving].sum())
     np.testing.assert_array_equal(w[~saving], p[~saving])  # the last unit and the parameters outside units
+
+
+def test_a_unit_without_an_activation_figure_is_counted_by_bytes(mesh):
+    """A unit call jax.vjp cannot trace (here a host callback, which has no derivative) gets no
+    activation figure; the units' shares of the saving then fall back to their bytes."""
+    from osdp_jax._discover import find
+    from osdp_jax.planning import build_problem
+
+    @osdp_jax.units.unit
+    def block(p, x):
+        h = x @ p["w"]
+        return x + jax.pure_callback(np.tanh, jax.ShapeDtypeStruct(h.shape, h.dtype), h)
+
+    params = {f"l{i}": {"w": jax.ShapeDtypeStruct((64, 64), np.float32)} for i in range(3)}
+    batch = {"x": jax.ShapeDtypeStruct((16, 64), np.float32)}
+
+    def loss_fn(p, b):
+        x = b["x"]
+        for i in range(3):
+            x = block(p[f"l{i}"], x)
+        return x.mean()
+
+    assert find(loss_fn, params, batch).saved == {"l0": None, "l1": None, "l2": None}
+    problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1,), loss_fn, batch)
+    assert len(set(problem.units.values())) == 3
+    np.testing.assert_array_equal(problem.saving_bytes(), [64 * 64 * 4] * 3)

@@ -36,6 +36,8 @@ paths of the parameters it holds (``StepContext.recorded_units``); nothing chang
 """
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
@@ -44,6 +46,8 @@ from .._stack import GATHERED_NAME, remat_policy
 from .._unit_policy import common_prefix
 from .collectives import gather
 from .context import ACTIVE, SplitKernel
+
+log = logging.getLogger("osdp_jax")
 
 
 def policy(remat: str):
@@ -78,9 +82,15 @@ def record(kind: str, name: str | None, tree, fn=None, args=(), kwargs=None) -> 
         ctx.in_unit = True  # nested calls are neither recorded twice nor measured
         try:
             saved = saved_bytes(fn, tree, args, kwargs or {})
+        except Exception as e:  # noqa: BLE001 - a call jax.vjp cannot trace: no figure (bytes are used)
+            log.info("unit %s: no activation figure (%s: %s)", name, type(e).__name__, e)
+            saved = None
         finally:
             ctx.in_unit = False
-        ctx.recorded_saved[name] = ctx.recorded_saved.get(name, 0) + saved
+        if saved is None or ctx.recorded_saved.get(name, 0) is None:
+            ctx.recorded_saved[name] = None
+        else:
+            ctx.recorded_saved[name] = ctx.recorded_saved.get(name, 0) + saved
 
 
 def saved_bytes(fn, tree, args, kwargs) -> int:
