@@ -80,10 +80,8 @@ def _linen_unit(module, method: str, args, kwargs):
         return _NOT_A_UNIT
     name = "/".join(module.scope.path)
     if ctx.recording:
-        variables = module.variables
-        if set(variables) == {"params"}:
-            units.record("linen", name, variables["params"],
-                         lambda ps, *a, **kw: _apply_clone(module, method, {"params": ps}, *a, **kw), args, kwargs)
+        if set(module.variables) == {"params"}:
+            units.record("linen", name, module.variables["params"])
         return _NOT_A_UNIT
     if name not in ctx.units.values():
         return _NOT_A_UNIT
@@ -92,11 +90,25 @@ def _linen_unit(module, method: str, args, kwargs):
 
 
 def _linen(next_fun, args, kwargs, context):
-    """One linen interceptor for units, and for Dense and Embed calls."""
+    """One linen interceptor for units, and for Dense and Embed calls; while discovering, a
+    possible unit's saved activations are measured once its call has run (``units.measure``)."""
     module = context.module
     out = _linen_unit(module, context.method_name, args, kwargs)
     if out is not _NOT_A_UNIT:
         return out
+    out = _linen_layer(next_fun, args, kwargs, context)
+    ctx, method = ACTIVE.get(), context.method_name
+    if (ctx is not None and ctx.recording and module.scope is not None and module.scope.path
+            and method != "setup" and (method == "__call__" or not method.startswith("_"))
+            and set(module.variables) == {"params"}):  # a call _linen_unit recorded
+        units.measure("/".join(module.scope.path), module.variables["params"],
+                      lambda ps, *a, **kw: _apply_clone(module, method, {"params": ps}, *a, **kw), args, kwargs)
+    return out
+
+
+def _linen_layer(next_fun, args, kwargs, context):
+    """Dense and Embed calls routed to the step's kernels; any other call as it is."""
+    module = context.module
     if context.method_name != "__call__" or module.scope is None or len(args) != 1 or kwargs:
         return next_fun(*args, **kwargs)
     if type(module) is nn.Dense:

@@ -65,32 +65,41 @@ def _is_array(x) -> bool:
     return isinstance(x, jax.Array) or hasattr(x, "aval")
 
 
-def record(kind: str, name: str | None, tree, fn=None, args=(), kwargs=None) -> None:
+def record(kind: str, name: str | None, tree) -> str | None:
     """During discovery, note a possible unit: call site ``name`` of ``kind`` ("linen", "nnx" or
     "function"; None: named by the longest path prefix its parameters share) and the paths of
-    the parameters in ``tree``; with ``fn``, the call ``fn(tree, *args, **kwargs)``'s saved
-    activations (:func:`saved_bytes`) are added to the site's (``StepContext.recorded_saved``)."""
+    the parameters in ``tree``. Returns the site's name (None when not recording)."""
     ctx = ACTIVE.get()
-    if ctx is None or not ctx.recording or ctx.in_unit:
-        return
+    if ctx is None or not ctx.recording:
+        return None
     paths = tuple(dict.fromkeys(p for p in (ctx.lookup(x) for x in jax.tree.leaves(tree)) if p is not None))
     if not paths:
-        return
+        return None
     name = name or common_prefix(paths)
     ctx.recorded_units.append((kind, name, paths))
-    if fn is not None:
-        ctx.in_unit = True  # nested calls are neither recorded twice nor measured
-        try:
-            saved = saved_bytes(fn, tree, args, kwargs or {})
-        except Exception as e:  # noqa: BLE001 - a call jax.vjp cannot trace: no figure (bytes are used)
-            log.info("unit %s: no activation figure (%s: %s)", name, type(e).__name__, e)
-            saved = None
-        finally:
-            ctx.in_unit = False
-        if saved is None or ctx.recorded_saved.get(name, 0) is None:
-            ctx.recorded_saved[name] = None
-        else:
-            ctx.recorded_saved[name] = ctx.recorded_saved.get(name, 0) + saved
+    return name
+
+
+def measure(name: str | None, tree, fn, args, kwargs) -> None:
+    """During discovery, after the call ``fn(tree, *args, **kwargs)`` of a possible unit ``name``
+    ran (and recorded what it holds), add its saved activations (:func:`saved_bytes`) to the
+    site's figure (``StepContext.recorded_saved``; None when ``jax.vjp`` cannot trace the call).
+    A call holding a layer stack's parameters is not measured: no unit gathers those."""
+    ctx = ACTIVE.get()
+    if name is None or ctx is None or not ctx.recording:
+        return
+    if any(ctx.lookup(x) in ctx.recorded_loop for x in jax.tree.leaves(tree)):
+        return
+    token = ACTIVE.set(None)  # traced as plain JAX: nothing recorded twice, no hook in the way
+    try:
+        saved = saved_bytes(fn, tree, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - a call jax.vjp cannot trace: no figure (bytes are used)
+        log.info("unit %s: no activation figure (%s: %s)", name, type(e).__name__, e)
+        saved = None
+    finally:
+        ACTIVE.reset(token)
+    had = ctx.recorded_saved.get(name, 0)
+    ctx.recorded_saved[name] = None if saved is None or had is None else had + saved
 
 
 def saved_bytes(fn, tree, args, kwargs) -> int:
@@ -125,8 +134,10 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
     if ctx is None or ctx.in_unit:
         return fn(tree, *args, **kwargs)
     if ctx.recording:
-        record(kind, name, tree, fn, args, kwargs)
-        return fn(tree, *args, **kwargs)
+        site = record(kind, name, tree)
+        out = fn(tree, *args, **kwargs)
+        measure(site, tree, fn, args, kwargs)
+        return out
     leaves, treedef = jax.tree.flatten(tree)
     mine = [i for i, x in enumerate(leaves) if isinstance(x, SplitKernel) and x.path in ctx.units
             and (name is None or ctx.units[x.path] == name)]
