@@ -1,9 +1,8 @@
 """Calibration: the cost model's terms fitted on probe steps.
 
 Activations, temporaries and FLOPs are not modelled from first principles; they are read off
-compiled *probe* steps of the real loss (:class:`ProbeKind`): every probe at the largest
-candidate batch size, the all-replicate one (and with units the per-layer one) at the smallest
-too, interpolated between (:func:`calibrate`, ``_cost.fit``, ``_cost.interpolate``). With
+compiled *probe* steps of the real loss (:class:`ProbeKind`), at the smallest and largest
+candidate batch size, and interpolated between (``_cost.fit``, ``_cost.interpolate``). With
 ``measure_time`` the probes are also run and timed, and the compute and collective seconds scaled
 to the measurements (``_cost.fit_time``).
 
@@ -25,7 +24,7 @@ from typing import NamedTuple, Protocol
 import jax
 import numpy as np
 
-from ._cost import at_batch, comm_seconds, fit, fit_time, interpolate
+from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._describe import describe
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
@@ -243,63 +242,54 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
 
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
               progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
-    """``{batch size: Calibration}`` for every size of ``batches`` (batch size -> abstract batch);
-    the probes' figures; and the remat policies' per-layer terms.
-
-    Every probe is compiled at the largest size, and there the terms are fitted (``_cost.fit``).
-    At the smallest, only the all-replicate, all-zero3 and per-layer steps are compiled: what the
-    activations are, and how much of the gathered weights and of the gradient buffers is alive
-    beside them (kappa at batch 8 on gpt2-48l-1536 is not kappa at batch 128: predicted from 128,
-    the per-layer layout at 8 came out 121% over XLA's peak). The split, zero2 and last-unit terms
-    are kept (``_cost.at_batch``), and the remat policies' per-layer bytes and seconds scaled with
-    the batch (``experiments/results/calibration_cuts.md``: within 7.8% at the smallest size).
-    Sizes between are interpolated linearly (``_cost.interpolate``)."""
+    """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
+    (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
+    the remat policies' per-layer terms, from one probe per policy at the same two sizes,
+    interpolated between them too."""
     sizes = sorted(batches)
-    lo, hi = sizes[0], sizes[-1]
     kinds = probe_kinds(problem)
-    can_shard, loop = problem.can_shard(), problem.loop_mask()
-    # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
-    layer_kind = ProbeKind.LAYER if ProbeKind.LAYER in kinds else (
-        ProbeKind.ZERO3 if not (can_shard & ~loop).any() else None)
-    small = list(dict.fromkeys([ProbeKind.REPLICATE, ProbeKind.ZERO3, *([layer_kind] if layer_kind else [])]))
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
-    jobs = [(kind, hi) for kind in kinds] + [(kind, lo) for kind in small if lo != hi]
-    jobs += [(kind, hi) for kind in remat_kinds(problem, policies)]
-    jobs += [(ProbeKind.LAST, hi)] if last_probe(problem) else []
+    jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
+    jobs += [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in remat_kinds(problem, policies)]
+    jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
     runs = {(kind, b): calibrator.profile(problem, kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
                                           measure_time and kind is not ProbeKind.SPLIT)
             for kind, b in progress(jobs, desc)}
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
-    got = {kind: runs[kind, hi][0] for kind in kinds}
-    terms = (p, can_shard, loop)
-    masks = dict(unit=_unit_mask(problem), last=problem.last_unit_mask(), weight=problem.saving_bytes())
-    probed = {hi: fit(got[ProbeKind.REPLICATE], got.get(layer_kind), got[ProbeKind.ZERO3], *terms,
-                      got.get(ProbeKind.SPLIT), split_share, zero2=got.get(ProbeKind.ZERO2),
-                      but_last=runs[ProbeKind.LAST, hi][0] if (ProbeKind.LAST, hi) in runs else None, **masks)}
-    timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
-             for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, hi][1]) is not None]
-    if timed:
-        cf, cc = fit_time(timed)
-        probed[hi] = dataclasses.replace(probed[hi], compute_scale=cf, comm_scale=cc)
-        log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", hi, cf, cc, len(timed))
-    if lo != hi:
-        layer_lo = runs[layer_kind, lo][0] if (layer_kind, lo) in runs else None
-        probed[lo] = at_batch(probed[hi], runs[ProbeKind.REPLICATE, lo][0], runs[ProbeKind.ZERO3, lo][0], lo / hi,
-                              layer_lo, *terms, **masks)
+    can_shard, loop = problem.can_shard(), problem.loop_mask()
+    probed, last_saving = {}, None
+    for b in sorted({sizes[0], sizes[-1]}):
+        got = {kind: runs[kind, b][0] for kind in kinds}
+        # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
+        per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
+        probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
+                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
+                        problem.last_unit_mask(), problem.saving_bytes(),
+                        runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving)
+        last_saving = probed[b].last_saving
+        timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
+                 for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
+        if timed:
+            cf, cc = fit_time(timed)
+            probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
+            log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
-    remat = {hi: {}}
+    remat = {b: {} for b in probed}
     for kind in remat_kinds(problem, policies):
-        base = ProbeKind.LAYER if (ProbeKind.LAYER, hi) in runs else ProbeKind.ZERO3
-        full, prof = runs[base, hi][0], runs[kind, hi][0]
-        remat[hi][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
-                                 probed[hi].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
-        log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", hi, kind.remat, *remat[hi][kind.remat])
-    # a policy's extra saved activations and the FLOPs it spares are per sample
-    remat.update({b: {policy: (nbytes * b / hi, seconds * b / hi) for policy, (nbytes, seconds) in remat[hi].items()}
-                  for b in sizes})
+        for b in probed:
+            base = ProbeKind.LAYER if (ProbeKind.LAYER, b) in runs else ProbeKind.ZERO3
+            full, prof = runs[base, b][0], runs[kind, b][0]
+            remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
+                                    probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
+            log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])
+    if len(probed) == 2:
+        (b0, r0), (b1, r1) = sorted(remat.items())
+        for b in sizes:
+            w = (b - b0) / (b1 - b0)
+            remat[b] = {p: tuple(x + w * (y - x) for x, y in zip(r0[p], r1[p])) for p in r0}
     return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
                       {job: prof for job, (prof, _) in runs.items()}, {b: remat[b] for b in sizes})
 

@@ -33,21 +33,12 @@ inside its scanned, rematerialised layer loop): one layer's slice is alive at a 
 such a parameter zero3 takes its gradient and all-reduce buffer out of temp at a small cost;
 measured, temp falls linearly, by kappa bytes per parameter byte.
 
-*Gathered at a unit* (``osdp_jax.units``): the same term, but a unit's share of it follows the
-activations its remat saves, w_i bytes per parameter (``Problem.saving_bytes``), not its bytes;
-and the unit the forward pass calls last, whose backward pass runs first, at the activation
-peak, saves lambda bytes per byte instead (``last_saving``: its replicated gradient, alive at
-the next unit's backward pass), fitted on a probe with every unit but the last sharded.
-
 Over the top-level (per-step) parameters T and the per-layer ones L::
 
     temp(plan) = temp_R - 2 P_T + R_T + max(rho R_T, zeta Z_T) + omega min(rho R_T, zeta Z_T) - kappa Z_L
-                 - lambda Z_last
-
-(Z_L: per-layer bytes zero3, each unit parameter counted w_i; Z_last: the last unit's bytes zero3)
 
 temp_R is the all-replicate temp (P_T: all per-step parameter bytes; R_T, Z_T: per-step bytes
-replicated / zero3). Compiles of the real step calibrate it:
+replicated / zero3; Z_L: per-layer bytes zero3). Compiles of the real step calibrate it:
 all-replicate at each probed batch size gives temp_R, "per-layer zero3, rest replicated" gives
 kappa, all-zero3 gives zeta. Without a loss function to compile: temp_R = 2 P, kappa unused
 (no parameter is known to be gathered per layer), zeta = 2 (gathered weight plus its gradient),
@@ -152,12 +143,12 @@ class Calibration:
     last_saving: float = 0.0  # temp bytes saved per byte of the last-called unit sharded, the others sharded
 
 
-def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile | None,
+def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
         p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
         split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None,
         zero2: StepProfile | None = None, last: np.ndarray | None = None,
         weight: np.ndarray | None = None, but_last: StepProfile | None = None,
-        last_saving: float | None = None, kappa: float | None = None) -> Calibration:
+        last_saving: float | None = None) -> Calibration:
     """kappa, zeta, sigma and the units' FLOPs from the probes (module docstring); ``loop`` marks
     the parameters gathered at use (per layer, or at a unit: ``unit`` marks those).
 
@@ -169,7 +160,6 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     (``Problem.saving_bytes``; default ``p``). ``but_last`` is the ``per_layer`` step with the
     last unit replicated: what that unit saves, ``last_saving`` bytes per byte, is the difference
     (``cost_tables``); without it, ``last_saving`` as given (fitted at another batch size), or 0.
-    ``kappa`` given (fitted at another batch size) is used, not fitted.
     """
     saves = loop if last is None else loop & ~last
     weight = p if weight is None else weight
@@ -179,11 +169,10 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     if per_layer is not None and but_last is not None and z_last:
         last_saving = (but_last.temp_bytes - per_layer.temp_bytes) / z_last
     last_saving = last_saving or 0.0
-    if kappa is None:
-        kappa = ((replicate.temp_bytes - per_layer.temp_bytes - last_saving * z_last) / z_loop
-                 if per_layer and z_loop else 0.0)
+    kappa = ((replicate.temp_bytes - per_layer.temp_bytes - last_saving * z_last) / z_loop
+             if per_layer and z_loop else 0.0)
     zeta = 0.0
-    if top_sh and zero3 is not None:
+    if top_sh:
         # temp_Z = temp_R - 2 P_T + R_fixed + max(R_fixed, zeta Z_T) - kappa Z_L
         rest = (zero3.temp_bytes - replicate.temp_bytes + 2 * (top_sh + top_fixed) - top_fixed + kappa * z_loop
                 + last_saving * z_last)
@@ -197,22 +186,6 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     if zero2 is not None and top_sh:  # never under replication's charge (see the module docstring)
         xi = max(1 + RHO, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
     return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi, last_saving=last_saving)
-
-
-def at_batch(cal: Calibration, replicate: StepProfile, zero3: StepProfile, ratio: float,
-             per_layer: StepProfile | None, p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
-             unit: np.ndarray | None = None, last: np.ndarray | None = None,
-             weight: np.ndarray | None = None) -> Calibration:
-    """``cal``, fitted at one batch size, at a size ``ratio`` times it, from that size's
-    all-replicate, all-zero3 and per-layer steps: zeta and kappa fitted again (how much of the
-    gathered weights and gradient buffers is alive beside the activations changes with the
-    batch), and the units' recomputed FLOPs; without a per-layer step (no parameter gathered at
-    use) kappa stays and the FLOPs scale by ``ratio``. sigma, xi, lambda and the time scales are
-    kept: per byte of weights and gradients."""
-    again = fit(replicate, per_layer, zero3, p, can_shard, loop, unit=unit, last=last, weight=weight,
-                last_saving=cal.last_saving, kappa=None if per_layer is not None else cal.kappa)
-    return dataclasses.replace(cal, replicate=replicate, kappa=again.kappa, zeta=again.zeta,
-                               unit_flops=again.unit_flops if per_layer is not None else cal.unit_flops * ratio)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:

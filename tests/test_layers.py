@@ -296,39 +296,3 @@ def test_step_flops_count_every_layer_of_a_loop():
         total = osdp_jax.profile_compiled(traced.lower().compile(), osdp_jax.xla.loop_flops(traced.jaxpr)).flops
         assert total == pytest.approx(layers * per_layer, rel=0.01)
 
-
-def test_the_smallest_batch_size_compiles_three_probes_and_refits_what_changes_with_it():
-    """Every probe kind at the largest batch size, at the smallest only the all-replicate,
-    all-zero3 and per-layer steps: kappa and zeta there are what all the probes at that size
-    fit (they change with the batch), sigma is carried from the largest, and the remat terms
-    scale with the batch."""
-    from osdp_jax._hardware import default_hardware
-    from osdp_jax.planning import ProbeKind, build_problem, calibrate
-    _, params, loss_fn, batch = toy.stack_setup()
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    recorded = RecordedCalibrator.from_json(STACK_PROBES)
-    asked = []
-
-    class Logged:
-        progress_desc = "recorded"
-
-        def profile(self, problem, kind, b, splits, timed):
-            asked.append((kind, jax.tree.leaves(b)[0].shape[0]))
-            return recorded.profile(problem, kind, b, splits, timed)
-
-    problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1, 2), loss_fn, batch)
-    batches = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype), batch) for b in (16, 32, 64)}
-    hw, policies = default_hardware(mesh), ("full", "dots", "none")
-    both = calibrate(problem, Logged(), batches, hw, policies=policies)
-    assert {k for k, b in asked if b == 16} == {ProbeKind.REPLICATE, ProbeKind.ZERO3, ProbeKind.LAYER}
-    assert {k for k, b in asked if b == 64} == {ProbeKind.REPLICATE, ProbeKind.ZERO3, ProbeKind.LAYER,
-                                                ProbeKind.SPLIT, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE}
-    alone = calibrate(problem, recorded, {16: batches[16]}, hw, policies=policies)  # every kind at 16
-    big = calibrate(problem, recorded, {64: batches[64]}, hw, policies=policies)
-    lo, full = both.calibrations[16], alone.calibrations[16]
-    assert (lo.kappa, lo.zeta, lo.replicate) == (full.kappa, full.zeta, full.replicate)
-    assert lo.sigma == big.calibrations[64].sigma != full.sigma
-    for policy in ("dots", "none"):
-        np.testing.assert_allclose(both.remat[16][policy], np.array(big.remat[64][policy]) * 16 / 64)
-    hi = big.calibrations[64]
-    assert both.calibrations[32].kappa == pytest.approx(lo.kappa + (hi.kappa - lo.kappa) / 3)  # 32: 1/3 of the way
