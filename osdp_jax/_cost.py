@@ -24,7 +24,8 @@ overlap omega between 0 (one pool or the other: the repository's models) and 1 (
 written elsewhere, where a few weights gathered per step stay alive beside the all-reduce
 buffer; with omega = 0 their mixed plans were predicted up to 12.7% under XLA's peak). The probes
 are pure (all-replicate, all-zero3), where omega does not show; it is fitted on the first mixed
-plan the planner compiles (``_planner._refit_overlap``). (A per-step kernel of a dense layer is gathered at the
+plan the planner compiles, and again on a later one it predicts more than 5% off XLA's peak
+(``_planner._refit_overlap``). (A per-step kernel of a dense layer is gathered at the
 layer, once its input is ready; other per-step weights are gathered before the loss, and
 XLA:CPU's scheduler starts those gathers at the top of the step.)
 

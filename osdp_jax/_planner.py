@@ -268,10 +268,12 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
                       functools.partial(build, overlap=overlap), peak_of, known)
 
     plan = run(tables, best, known, fitted or 0.0)
-    if fitted is not None:  # fitted on an earlier plan of this model: the prediction stands
-        return plan
-    overlap = _refit_overlap(compiled["candidate"], plan.xla_peak_bytes)
-    if overlap is None:
+    if fitted is not None and abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= REFIT * plan.xla_peak_bytes:
+        return plan  # fitted on an earlier plan of this model, and it holds for this one
+    _, size, sol, _, _, _ = compiled["candidate"]
+    plain = _costed(size, sol.choices, tables_for(0.0)[size]) if fitted else compiled["candidate"]
+    overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
+    if overlap is None or overlap == fitted:
         return plan
     if overlap_key is not None:
         OVERLAPS[overlap_key] = overlap
@@ -288,6 +290,9 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return build(*first)
     other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap)
     return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
+
+
+REFIT = 0.05  # a plan predicted with a model's stored pool overlap further than this from XLA's peak refits it
 
 
 def _overlap_key(calibrator, problem: Problem, batches: dict):
@@ -308,16 +313,17 @@ def _pool_sums(candidate) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def _refit_overlap(candidate, xla_peak: float) -> float | None:
-    """The pool overlap omega (``_cost``) that makes the compiled ``candidate``'s prediction XLA's
-    peak; None when its smaller pool is under 2% of the peak (a plan nearly all replicated or all
-    sharded, where omega does not show) or omega stays within 0.05 of 0."""
+def _refit_overlap(candidate, xla_peak: float, again: bool = False) -> float | None:
+    """The pool overlap omega (``_cost``) that makes the compiled ``candidate``'s prediction (costed
+    with omega = 0) XLA's peak; None when its smaller pool is under 2% of the peak (a plan nearly
+    all replicated or all sharded, where omega does not show) or, fitting the first time
+    (``again`` False), omega stays within 0.05 of 0."""
     a, b = _pool_sums(candidate)
     if min(a, b) < 0.02 * xla_peak:
         return None
     predicted = candidate[3].base_mem + candidate[2].mem  # with omega = 0: max(a, b)
     overlap = float(np.clip((xla_peak - predicted) / min(a, b), 0.0, 1.0))
-    return overlap if overlap > 0.05 else None
+    return overlap if overlap > 0.05 or again else None
 
 
 def _policies(remat) -> tuple[str, ...]:
