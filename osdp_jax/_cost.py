@@ -343,9 +343,11 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
         1: their sum), fitted on a compiled mixed plan (``_planner``).
       last_unit: paths of the unit the forward pass calls last. Its backward pass runs first, at
         the activation peak, where its forward pass runs again (or its activations are still
-        saved) either way, so sharding it saves no temp: measured on the einsum LM of
-        ``experiments/benchmarks/foreign.py`` (8 unrolled blocks), sharding any one block but the
-        last took 1.69 MiB (3.2 bytes per parameter byte) off XLA's temp, the last 0.00 MiB.
+        saved) either way, so sharding it saves only ``Calibration.last_saving`` bytes per byte
+        (its replicated gradient, alive at the next unit's backward pass), not kappa's:
+        ``experiments/results/unit_savings.md``, the einsum LM of 8 unrolled blocks with every
+        other block sharded, replicating any other block costs 1.69 MiB of XLA's temp, the last
+        0.40 MiB.
       saving: per parameter, the bytes the kappa term counts (``Problem.saving_bytes``: a unit's
         share follows its saved activations); default its bytes.
       gather_ratio: per parameter, bytes a zero3/hsdp collective moves per byte stored (0.5 for a

@@ -99,11 +99,12 @@ class Problem:
         A unit u of P_u parameter bytes and A_u saved activation bytes counts
         ``W_u = A_u sum(P) / sum(A)`` (sums over the units but :attr:`last_unit`, which saves none),
         shared among its parameters by bytes: ``w_i = p_i W_u / P_u``; sum(W) = sum(P), so a probe
-        that shards every unit fits the same kappa either way. Measured on the ResNet of
+        that shards every unit fits the same kappa either way. On the ResNet of
         ``experiments/benchmarks/foreign.py`` (6 blocks, activations 4:4:2:2:1:1, parameters the
-        reverse), sharding blocks 0, 3, 4 and 5 took 1.02 MiB off XLA's temp: counted by bytes the
-        model said 1.94, by activations 1.29. Without a figure for every unit (a call ``jax.vjp``
-        could not trace): the bytes."""
+        reverse), the foreign-models benchmark's plan sharding blocks 0, 3, 4 and 5 was predicted
+        13.1% under XLA's peak with the shares by bytes (``experiments/results/foreign_models.md``
+        at commit a49ad37). Without a figure for every unit (a call ``jax.vjp`` could not trace):
+        the bytes."""
         p = np.array([i.nbytes for i in self.infos], dtype=np.float64)
         saving = [u for u in set(self.units.values()) if u != self.last_unit]
         if not saving or any(self.unit_saved.get(u) is None for u in saving):
