@@ -84,13 +84,15 @@ def _batch_size(batch) -> int:
 
 _PROBES: dict = {}  # in-process probe cache: key (see XlaCalibrator._key) -> (StepProfile, seconds)
 OVERLAPS: dict = {}  # in-process: the pool overlap fitted per model on a compiled plan (``_planner``)
+UNIT_SCALES: dict = {}  # in-process: the scale of the units' savings refitted per model on a compiled plan
 
 
 def clear_probe_cache() -> None:
     """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``), and the
-    pool overlaps fitted on compiled plans."""
+    pool overlaps and unit scales fitted on compiled plans."""
     _PROBES.clear()
     OVERLAPS.clear()
+    UNIT_SCALES.clear()
 
 
 @dataclasses.dataclass

@@ -321,7 +321,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
                 batch_bytes: int, calibration: Calibration | None,
                 in_loop: frozenset = frozenset(), units: frozenset = frozenset(),
                 overlap: float = 0.0, gather_ratio: np.ndarray | None = None,
-                last_unit: frozenset = frozenset(), saving: np.ndarray | None = None) -> CostTables:
+                last_unit: frozenset = frozenset(), saving: np.ndarray | None = None,
+                unit_scale: float = 1.0) -> CostTables:
     """Cost tables for one batch size (formulas in the module docstring).
 
     Args:
@@ -350,6 +351,9 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
         0.40 MiB.
       saving: per parameter, the bytes the kappa term counts (``Problem.saving_bytes``: a unit's
         share follows its saved activations); default its bytes.
+      unit_scale: the units' temp savings (kappa and lambda terms) are scaled by it: 1 as fitted
+        on the probes, or refitted on a compiled plan whose units save less together than the
+        sum of their savings (``_planner``).
       gather_ratio: per parameter, bytes a zero3/hsdp collective moves per byte stored (0.5 for a
         float32 parameter gathered in bfloat16, ``plan(compute_dtype=)``); the memory terms need
         no ratio, since the probes are compiled with the same gathers.
@@ -389,8 +393,9 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             mem[top, s] += cal.xi * p[top]
         else:
             mem[ok, s] = ((p + o) / (n if name == "zero3" else topo.inner))[ok]
-            mem[per_layer & saves, s] -= cal.kappa * (p if saving is None else saving)[per_layer & saves]
-            mem[per_layer & ~saves, s] -= cal.last_saving * p[per_layer & ~saves]
+            w = (p if saving is None else saving) * np.where(unit, unit_scale, 1.0)
+            mem[per_layer & saves, s] -= cal.kappa * w[per_layer & saves]
+            mem[per_layer & ~saves, s] -= unit_scale * cal.last_saving * p[per_layer & ~saves]
             pools[top, s, 1] = cal.zeta * p[top] / k
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]

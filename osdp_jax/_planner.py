@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from ._calibration import OVERLAPS, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
+from ._calibration import OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -217,14 +217,14 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 
-    def tables_for(overlap: float) -> dict:
+    def tables_for(overlap: float, unit_scale: float = 1.0) -> dict:
         out = {}
         for b in batches:
             t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
                             problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
                             frozenset(problem.units), overlap, problem.gather_ratio(),
                             frozenset(p for p, u in problem.units.items() if u == problem.last_unit),
-                            problem.saving_bytes())
+                            problem.saving_bytes(), unit_scale)
             if m > 1:  # the whole global batch is an argument; the probe held one microbatch of it
                 t = dataclasses.replace(_accumulated(t, m, problem), base_mem=t.base_mem + (
                     _batch_bytes(batches[b]) - _batch_bytes(probe_batches[b])) / axes_size(mesh, axes))
@@ -237,7 +237,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     overlap_key = _overlap_key(calibrator, problem, probe_batches)
     overlap_key = overlap_key if overlap_key is None or m == 1 else (overlap_key, m)
     fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
-    tables = tables_for(fitted or 0.0)
+    scale = UNIT_SCALES.get(overlap_key, 1.0) if overlap_key is not None else 1.0
+    tables = tables_for(fitted or 0.0, scale)
     best, min_needed = _search(tables, budget)
     seconds = time.perf_counter() - t0
     # compiled layouts with their XLA peaks (a probe of one microbatch is not the accumulated step)
@@ -252,7 +253,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
     def build(candidate, xla_peak=None, overlap=fitted or 0.0):
         if xla_peak is not None:
-            compiled["candidate"] = candidate
+            compiled["candidate"], compiled["peak"] = candidate, xla_peak
         counts = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds", 0.0) + verified.seconds
         return dataclasses.replace(_build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
                                           (time.perf_counter() - start, *counts), overlap), microbatches=m)
@@ -267,32 +268,53 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
                       functools.partial(build, overlap=overlap), peak_of, known)
 
+    def replan(tables, overlap):
+        """The compiled candidate costed on ``tables`` (refitted) with its XLA peak, or the search's
+        plan on them if it differs and is faster (verified)."""
+        _, size, sol, _, _, _ = compiled["candidate"]
+        xla = compiled["peak"]
+        first = (_costed(size, sol.choices, tables[size]), xla, overlap)
+        second = _search(tables, budget)[0]
+        if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
+            return build(*first)
+        other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap)
+        return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
+
     plan = run(tables, best, known, fitted or 0.0)
-    if fitted is not None and abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= REFIT * plan.xla_peak_bytes:
+    off = abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
+    if fitted is not None and not off:
         return plan  # fitted on an earlier plan of this model, and it holds for this one
     _, size, sol, _, _, _ = compiled["candidate"]
-    plain = _costed(size, sol.choices, tables_for(0.0)[size]) if fitted else compiled["candidate"]
+    plain = _costed(size, sol.choices, tables_for(0.0, scale)[size])  # omega = 0
     overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
-    if overlap is None or overlap == fitted:
+    if overlap is not None and overlap != fitted:
+        if overlap_key is not None:
+            OVERLAPS[overlap_key] = overlap
+        # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
+        # `overlap` of the smaller pool beside the larger: search again with that, and keep the
+        # faster of the two plans (both fit by XLA), each predicted with the fitted overlap
+        log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
+                 overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+        return replan(tables_for(overlap, scale), overlap)
+    if not off or not plan.units:
         return plan
+    # the plan's units saved less (or more) together than the sum of what each is charged to save
+    # (their savings do not add: experiments/results/unit_savings.md): scale them to the compile
+    ours = fitted or 0.0
+    without = _costed(size, sol.choices, tables_for(ours, 0.0)[size])
+    full = _costed(size, sol.choices, tables_for(ours, 1.0)[size])
+    saved = (without[3].base_mem + without[2].mem) - (full[3].base_mem + full[2].mem)
+    if saved < 0.02 * plan.xla_peak_bytes:
+        return plan
+    new = float(np.clip((without[3].base_mem + without[2].mem - plan.xla_peak_bytes) / saved, 0.0, 2.0))
     if overlap_key is not None:
-        OVERLAPS[overlap_key] = overlap
-    # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
-    # `overlap` of the smaller pool beside the larger: search again with that, and keep the faster
-    # of the two plans (both fit by XLA), each predicted with the fitted overlap
-    log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
-             overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
-    tables = tables_for(overlap)
-    _, size, sol, _, _, _ = compiled["candidate"]
-    first = (_costed(size, sol.choices, tables[size]), plan.xla_peak_bytes, overlap)
-    second = _search(tables, budget)[0]
-    if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
-        return build(*first)
-    other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap)
-    return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
+        UNIT_SCALES[overlap_key] = new
+    log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
+             new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+    return replan(tables_for(ours, new), ours)
 
 
-REFIT = 0.05  # a plan predicted with a model's stored pool overlap further than this from XLA's peak refits it
+REFIT = 0.05  # a compiled plan predicted further than this from XLA's peak refits the pool overlap or the unit scale
 
 
 def _overlap_key(calibrator, problem: Problem, batches: dict):
