@@ -98,6 +98,7 @@ class Plan:
     compiles: int = 0  # XLA compiles that planning ran
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
     pool_overlap: float = 0.0  # the cost model's pool overlap omega (_cost), fitted on a compiled plan
+    unit_scale: float = 1.0  # the units' temp savings scaled by it (_cost), refitted on a compiled plan
     microbatches: int = 1  # the global batch runs as this many microbatches (gradient accumulation)
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 

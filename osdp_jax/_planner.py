@@ -251,12 +251,13 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     verified = _Compiles()
     compiled: dict = {}  # the candidate of the last plan built with its XLA peak
 
-    def build(candidate, xla_peak=None, overlap=fitted or 0.0):
+    def build(candidate, xla_peak=None, overlap=fitted or 0.0, unit_scale=scale):
         if xla_peak is not None:
             compiled["candidate"], compiled["peak"] = candidate, xla_peak
         counts = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds", 0.0) + verified.seconds
         return dataclasses.replace(_build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
-                                          (time.perf_counter() - start, *counts), overlap), microbatches=m)
+                                          (time.perf_counter() - start, *counts), overlap, unit_scale),
+                                   microbatches=m)
 
     if not verifying:
         return build(best)
@@ -264,20 +265,20 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
                                               figures_only=figures_only).peak_bytes)
 
-    def run(tables, first, known, overlap):
+    def run(tables, first, known, overlap, unit_scale=scale):
         return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
-                      functools.partial(build, overlap=overlap), peak_of, known)
+                      functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known)
 
-    def replan(tables, overlap):
+    def replan(tables, overlap, unit_scale=scale):
         """The compiled candidate costed on ``tables`` (refitted) with its XLA peak, or the search's
         plan on them if it differs and is faster (verified)."""
         _, size, sol, _, _, _ = compiled["candidate"]
         xla = compiled["peak"]
-        first = (_costed(size, sol.choices, tables[size]), xla, overlap)
+        first = (_costed(size, sol.choices, tables[size]), xla, overlap, unit_scale)
         second = _search(tables, budget)[0]
         if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
             return build(*first)
-        other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap)
+        other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap, unit_scale)
         return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
 
     plan = run(tables, best, known, fitted or 0.0)
@@ -311,7 +312,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         UNIT_SCALES[overlap_key] = new
     log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
              new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
-    return replan(tables_for(ours, new), ours)
+    return replan(tables_for(ours, new), ours, new)
 
 
 REFIT = 0.05  # a compiled plan predicted further than this from XLA's peak refits the pool overlap or the unit scale
@@ -464,7 +465,7 @@ class _Compiles:
 
 
 def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None,
-           timing=(0.0, 0, 0.0), overlap: float = 0.0) -> Plan:
+           timing=(0.0, 0, 0.0), overlap: float = 0.0, unit_scale: float = 1.0) -> Plan:
     _, size, sol, items, step_s, sps = candidate
     whole = param_columns(items, sol.choices)
     segs = segments(problem, items, sol.choices)
@@ -495,7 +496,8 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                 predicted_collective_seconds=collectives if size is not None else None,
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
-                compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat, pool_overlap=overlap)
+                compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat, pool_overlap=overlap,
+                unit_scale=unit_scale)
 
 
 def _infeasible_message(budget, min_needed, strategies, axes) -> str:

@@ -113,18 +113,20 @@ def foreign_width(name, x) -> int:
 
 def test_plan_uses_units_where_only_they_fit(mesh):
     """A budget under the FSDP peak without units: the plan gathers at units (each decided whole),
-    fits by XLA and is predicted within 10% of XLA's peak; the JSON keeps the units."""
+    fits by XLA and is predicted within 5% of XLA's peak by the probe-fitted terms; the JSON keeps
+    the units."""
     params, loss_fn, batch = foreign.einsum_lm(layers=8)
     opt = optax.adam(1e-3)
     fsdp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.fsdp(params, mesh))
     budget = int(0.75 * fsdp.peak_bytes)
     plan = osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,))
     assert plan.units and plan.xla_peak_bytes <= budget
-    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.05 * plan.xla_peak_bytes, plan.summary()
+    assert plan.unit_scale == 1.0  # the probe-fitted terms, not refitted on the compiled plan (+1.4%)
     assert all(len(paths) == len(units_of(params, loss_fn, batch, unit)) for unit, paths in plan.units.items())
     assert "units (gathered on each call" in plan.summary()
     again = osdp_jax.Plan.from_json(plan.to_json())
-    assert again.units == plan.units and again.layout == plan.layout
+    assert again.units == plan.units and again.layout == plan.layout and again.unit_scale == plan.unit_scale
     with pytest.raises(osdp_jax.InfeasibleBudgetError):
         osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,),
                       units=())
