@@ -102,6 +102,11 @@ def test_units_bound_the_gathered_weights(mesh, name):
     assert f8 - f4 > 2 * added
 
 
+def peaks(params, loss_fn, batch, opt, mesh, *layouts) -> list[int]:
+    """XLA's peak bytes per device of each layout's train step."""
+    return [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes for layout in layouts]
+
+
 def units_of(params, loss_fn, batch, unit):
     return [p for p, u in osdp_jax.units.find(loss_fn, params, batch).items() if u == unit]
 
@@ -139,8 +144,8 @@ def test_pool_overlap_fitted_on_a_compiled_plan_predicts_the_next(mesh):
     osdp_jax.planning.clear_probe_cache()
     params, loss_fn, batch = foreign.einsum_lm(layers=8, d=128, batch=32)
     opt = optax.adam(1e-3)
-    ddp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.ddp(params, mesh)).peak_bytes
-    fsdp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.fsdp(params, mesh)).peak_bytes
+    ddp, fsdp = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.ddp(params, mesh),
+                      osdp_jax.Layout.fsdp(params, mesh))
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=(), splits=(1,))
     first = osdp_jax.plan(params, mesh, budget=int(fsdp + 0.2 * (ddp - fsdp)), **kw)
     assert first.pool_overlap > 0.5 and first.xla_peak_bytes <= first.budget_bytes
@@ -158,8 +163,8 @@ def test_a_stored_pool_overlap_that_misses_a_plan_is_fitted_again(mesh):
     osdp_jax.planning.clear_probe_cache()
     params, loss_fn, batch = foreign.vit(depth=4, d=64, batch=32)
     opt = optax.adam(1e-3)
-    ddp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.ddp(params, mesh)).peak_bytes
-    fsdp = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, osdp_jax.Layout.fsdp(params, mesh)).peak_bytes
+    ddp, fsdp = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.ddp(params, mesh),
+                      osdp_jax.Layout.fsdp(params, mesh))
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=(), splits=(1,))
     first = osdp_jax.plan(params, mesh, budget=int(fsdp + 0.9 * (ddp - fsdp)), **kw)
     assert first.pool_overlap == 1.0 and list(OVERLAPS.values()) == [1.0]
@@ -182,8 +187,8 @@ def test_units_savings_scaled_to_a_compiled_plan_that_misses(mesh):
     params, loss_fn, batch = foreign.einsum_lm(layers=4, d=64, batch=32)
     opt = optax.adam(1e-3)
     units = osdp_jax.units.find(loss_fn, params, batch)
-    peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
-    low, high = peak(osdp_jax.Layout.fsdp(params, mesh, units=units)), peak(osdp_jax.Layout.fsdp(params, mesh))
+    low, high = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.fsdp(params, mesh, units=units),
+                      osdp_jax.Layout.fsdp(params, mesh))
     budget, kw = int(low + (high - low) / 3), dict(loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,))
     first = osdp_jax.plan(params, mesh, budget=budget, **kw)
     assert first.units and not UNIT_SCALES  # predicted within 5%: nothing refitted
@@ -215,8 +220,8 @@ def test_the_unit_called_last_is_probed_on_its_own(mesh):
     assert (ProbeKind.LAST, 32) in got.probes
     cal = got.calibrations[32]
     assert 0 < cal.last_saving < cal.kappa  # bytes of temp per byte sharded: the last unit saves less
-    peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
-    low, high = peak(osdp_jax.Layout.fsdp(params, mesh, units=units)), peak(osdp_jax.Layout.fsdp(params, mesh))
+    low, high = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.fsdp(params, mesh, units=units),
+                      osdp_jax.Layout.fsdp(params, mesh))
     plan = osdp_jax.plan(params, mesh, budget=int(low + (high - low) / 3), loss_fn=loss_fn, batch=batch, optimizer=opt)
     assert len(plan.units) == 7 and "block_7" not in plan.units and plan.xla_peak_bytes <= plan.budget_bytes
     assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.01 * plan.xla_peak_bytes, plan.summary()

@@ -3,8 +3,8 @@ with no osdp-jax call inside: an einsum transformer with a tied embedding, group
 attention, a gated MLP and an unrolled loop of blocks (linen); a ResNet with GroupNorm (linen
 convolutions); a ViT-style encoder run as a Python loop of blocks (nnx, marked with
 ``osdp_jax.units.mark``); and a plain-JAX MLP of ``@osdp_jax.units.unit`` blocks. Each maker
-returns ``(params, loss_fn, batch)``. Used by ``tests/test_unit_calls.py`` and
-``experiments/benchmarks/foreign_models.py``."""
+returns ``(params, loss_fn, batch)``. Used by ``tests/test_unit_calls.py`` and, at the sizes of
+:data:`FAMILIES`, by ``experiments/benchmarks/foreign_models.py`` and ``unit_savings.py``."""
 from __future__ import annotations
 
 import jax
@@ -228,3 +228,11 @@ def plain_mlp(layers=4, d=64, batch=16):
             x = mlp_block(p[f"layer{i}"], x)
         return ((x - b["y"]) ** 2).mean()
     return params, loss_fn, data
+
+
+# the three families at the foreign-model benchmarks' size (8 simulated devices, global batch 32)
+FAMILIES = {
+    "einsum LM, tied embedding, 8 unrolled blocks (linen)": lambda: einsum_lm(layers=8, d=128, batch=32),
+    "ResNet 3x2 blocks, GroupNorm (linen conv)": lambda: resnet((2, 2, 2), width=32, batch=32),
+    "ViT, 8 blocks in a Python loop (nnx)": lambda: vit(depth=8, d=128, batch=32),
+}

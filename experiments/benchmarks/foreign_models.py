@@ -26,11 +26,7 @@ import optax  # noqa: E402
 import osdp_jax  # noqa: E402
 from experiments.benchmarks import foreign  # noqa: E402
 
-FAMILIES = {
-    "einsum LM, tied embedding, 8 unrolled blocks (linen)": lambda: foreign.einsum_lm(layers=8, d=128, batch=32),
-    "ResNet 3x2 blocks, GroupNorm (linen conv)": lambda: foreign.resnet((2, 2, 2), width=32, batch=32),
-    "ViT, 8 blocks in a Python loop (nnx)": lambda: foreign.vit(depth=8, d=128, batch=32),
-}
+FAMILIES = foreign.FAMILIES
 MIB = 2**20
 
 
