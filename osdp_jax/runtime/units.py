@@ -32,7 +32,8 @@ Three kinds of call sites reach :func:`call`:
   unit's parameters.
 
 While the planner discovers a model (``StepContext.recording``), each call is recorded with the
-paths of the parameters it holds (``StepContext.recorded_units``); nothing changes.
+paths of the parameters it holds (``StepContext.recorded_units``) and, once it has run, the
+activations its backward pass would keep (:func:`measure`); nothing changes.
 """
 from __future__ import annotations
 
