@@ -286,7 +286,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     if fitted is not None and not off:
         return plan  # fitted on an earlier plan of this model, and it holds for this one
     _, size, sol, _, _, _ = compiled["candidate"]
-    plain = _costed(size, sol.choices, tables_for(0.0, scale)[size])  # omega = 0
+    # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
+    plain = _costed(size, sol.choices, tables_for(0.0, scale)[size]) if fitted else compiled["candidate"]
     overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
     if overlap is not None and overlap != fitted:
         if overlap_key is not None:
@@ -302,12 +303,11 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     # the plan's units saved less (or more) together than the sum of what each is charged to save
     # (their savings do not add: experiments/results/unit_savings.md): scale them to the compile
     ours = fitted or 0.0
-    without = _costed(size, sol.choices, tables_for(ours, 0.0)[size])
-    full = _costed(size, sol.choices, tables_for(ours, 1.0)[size])
-    saved = (without[3].base_mem + without[2].mem) - (full[3].base_mem + full[2].mem)
+    without = _predicted(_costed(size, sol.choices, tables_for(ours, 0.0)[size]))
+    saved = without - _predicted(_costed(size, sol.choices, tables_for(ours, 1.0)[size]))  # at scale 1
     if saved < 0.02 * plan.xla_peak_bytes:
         return plan
-    new = float(np.clip((without[3].base_mem + without[2].mem - plan.xla_peak_bytes) / saved, 0.0, 2.0))
+    new = float(np.clip((without - plan.xla_peak_bytes) / saved, 0.0, 2.0))
     if overlap_key is not None:
         UNIT_SCALES[overlap_key] = new
     log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
@@ -336,6 +336,11 @@ def _pool_sums(candidate) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _predicted(candidate) -> float:
+    """A search candidate's predicted peak bytes (``_candidate``: base memory + its solution's)."""
+    return candidate[3].base_mem + candidate[2].mem
+
+
 def _refit_overlap(candidate, xla_peak: float, again: bool = False) -> float | None:
     """The pool overlap omega (``_cost``) that makes the compiled ``candidate``'s prediction (costed
     with omega = 0) XLA's peak; None when its smaller pool is under 2% of the peak (a plan nearly
@@ -344,8 +349,7 @@ def _refit_overlap(candidate, xla_peak: float, again: bool = False) -> float | N
     a, b = _pool_sums(candidate)
     if min(a, b) < 0.02 * xla_peak:
         return None
-    predicted = candidate[3].base_mem + candidate[2].mem  # with omega = 0: max(a, b)
-    overlap = float(np.clip((xla_peak - predicted) / min(a, b), 0.0, 1.0))
+    overlap = float(np.clip((xla_peak - _predicted(candidate)) / min(a, b), 0.0, 1.0))  # omega 0: max(a, b)
     return overlap if overlap > 0.05 or again else None
 
 

@@ -70,13 +70,19 @@ def _apply_clone(module, method: str, variables, *args, **kwargs):
 _NOT_A_UNIT = object()
 
 
+def _may_be_unit(module, method: str) -> bool:
+    """Whether a linen module method call can be a unit's: a submodule's (a scope path) public
+    method or ``__call__``, not ``setup``."""
+    return (module.scope is not None and bool(module.scope.path) and method != "setup"
+            and (method == "__call__" or not method.startswith("_")))
+
+
 def _linen_unit(module, method: str, args, kwargs):
     """A linen module method as a unit call (``runtime.units``), or ``_NOT_A_UNIT``: every
     method of a submodule holding only parameters is recorded while discovering, and runs as its
     unit when the plan names the module's path."""
     ctx = ACTIVE.get()
-    if (ctx is None or ctx.in_unit or module.scope is None or not module.scope.path
-            or method == "setup" or (method.startswith("_") and method != "__call__")):
+    if ctx is None or ctx.in_unit or not _may_be_unit(module, method):
         return _NOT_A_UNIT
     name = "/".join(module.scope.path)
     if ctx.recording:
@@ -98,8 +104,7 @@ def _linen(next_fun, args, kwargs, context):
         return out
     out = _linen_layer(next_fun, args, kwargs, context)
     ctx, method = ACTIVE.get(), context.method_name
-    if (ctx is not None and ctx.recording and module.scope is not None and module.scope.path
-            and method != "setup" and (method == "__call__" or not method.startswith("_"))
+    if (ctx is not None and ctx.recording and _may_be_unit(module, method)
             and set(module.variables) == {"params"}):  # a call _linen_unit recorded
         units.measure("/".join(module.scope.path), module.variables["params"],
                       lambda ps, *a, **kw: _apply_clone(module, method, {"params": ps}, *a, **kw), args, kwargs)
