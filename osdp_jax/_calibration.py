@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import json
 import logging
+import os
 import pathlib
 import time
 from typing import NamedTuple, Protocol
@@ -29,7 +30,7 @@ from ._describe import describe
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.place import abstract_args
-from .runtime.step import compile_count, compile_counted
+from .runtime.step import compile_count, compile_many
 
 log = logging.getLogger("osdp_jax")
 
@@ -75,7 +76,9 @@ class Calibrator(Protocol):
     def profile(self, problem: Problem, kind: ProbeKind, batch, splits: dict,
                 timed: bool) -> tuple[StepProfile, float | None]:
         """XLA's figures for the probe ``kind`` at the (abstract) ``batch``, and its measured
-        seconds per step when ``timed`` (None when not timed or it does not fit the devices)."""
+        seconds per step when ``timed`` (None when not timed or it does not fit the devices).
+        A calibrator may also have ``profile_many(problem, requests)`` (``XlaCalibrator``'s),
+        which ``calibrate`` then uses for all its probes at once."""
 
 
 def _batch_size(batch) -> int:
@@ -85,6 +88,14 @@ def _batch_size(batch) -> int:
 _PROBES: dict = {}  # in-process probe cache: key (see XlaCalibrator._key) -> (StepProfile, seconds)
 OVERLAPS: dict = {}  # in-process: the pool overlap fitted per model on a compiled plan (``_planner``)
 UNIT_SCALES: dict = {}  # in-process: the scale of the units' savings refitted per model on a compiled plan
+
+
+MAX_THREADS = 8  # compile threads XlaCalibrator uses at most by default (each compile holds its HLO)
+
+
+def _threads() -> int:
+    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
 
 
 def clear_probe_cache() -> None:
@@ -118,6 +129,7 @@ class XlaCalibrator:
     seconds: float = 0.0  # spent compiling and timing them
     cache: bool = True
     cached: int = 0  # probes found in the in-process cache
+    threads: int | None = None  # compile threads (None: the CPUs, at most MAX_THREADS; timed probes: 1)
     _recorded: dict = dataclasses.field(default_factory=dict)
 
     def _key(self, layout, batch, timed):
@@ -134,24 +146,39 @@ class XlaCalibrator:
         return key
 
     def profile(self, problem, kind, batch, splits, timed):
-        layout = problem.layout(lambda i: kind.zero3(i, problem), splits, kind.remat,
-                                lambda i: kind.zero2(i, problem))
-        key = self._key(layout, batch, timed) if self.cache else None
-        if key is not None and key in _PROBES:
-            self.cached += 1
-            prof, seconds = _PROBES[key]
-            self._record(kind, batch, prof, seconds)
-            return prof, seconds
+        return next(iter(self.profile_many(problem, [(kind, batch, splits, timed)])))[1]
+
+    def profile_many(self, problem, requests):
+        """:meth:`profile` for each ``(kind, batch, splits, timed)`` of ``requests``, yielding
+        ``(index, figures)`` as each is done: probes not cached are compiled by
+        ``runtime.step.compile_many`` on ``threads`` worker threads, the timed ones (they run
+        on the devices) one at a time."""
+        requests, to_compile = list(requests), []
+        for i, (kind, batch, splits, timed) in enumerate(requests):
+            layout = problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
+                                    lambda x: kind.zero2(x, problem))
+            key = self._key(layout, batch, timed) if self.cache else None
+            if key is not None and key in _PROBES:
+                self.cached += 1
+                yield i, self._done(kind, batch, key, *_PROBES[key])
+            else:
+                to_compile.append((i, kind, batch, layout, key, timed))
+        steps = [(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout, False if timed else "probe")
+                 for _, _, batch, layout, _, timed in to_compile]
         t0, n0 = time.perf_counter(), compile_count()
-        compiled, missing = compile_counted(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout,
-                                            figures_only=not timed)
-        prof = profile_compiled(compiled, missing)
-        seconds = None
-        if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget
-            seconds = time_compiled(compiled, abstract_args(self.optimizer, self.params, batch, self.mesh, layout))
+        threads = 1 if any(job[-1] for job in to_compile) else self.threads or _threads()
+        for j, (compiled, missing) in compile_many(steps, threads):
+            i, kind, batch, layout, key, timed = to_compile[j]
+            prof, seconds = profile_compiled(compiled, missing), None
+            if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget
+                seconds = time_compiled(compiled, abstract_args(self.optimizer, self.params, batch, self.mesh, layout))
+            self.compiles += compile_count() - n0
+            self.seconds += time.perf_counter() - t0
+            t0, n0 = time.perf_counter(), compile_count()
+            yield i, self._done(kind, batch, key, prof, seconds)
+
+    def _done(self, kind, batch, key, prof, seconds):
         self._record(kind, batch, prof, seconds)
-        self.compiles += compile_count() - n0
-        self.seconds += time.perf_counter() - t0
         if key is not None:
             _PROBES[key] = (prof, seconds)
         return prof, seconds
@@ -257,9 +284,12 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
-    runs = {(kind, b): calibrator.profile(problem, kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
-                                          measure_time and kind is not ProbeKind.SPLIT)
-            for kind, b in progress(jobs, desc)}
+    requests = [(kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
+                 measure_time and kind is not ProbeKind.SPLIT) for kind, b in jobs]
+    many = getattr(calibrator, "profile_many", None)
+    done = (many(problem, requests) if many is not None
+            else ((i, calibrator.profile(problem, *request)) for i, request in enumerate(requests)))
+    runs = {jobs[i]: figures for i, figures in progress(_Sized(done, len(jobs)), desc)}
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     can_shard, loop = problem.can_shard(), problem.loop_mask()
     probed, last_saving = {}, None
@@ -294,6 +324,19 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             remat[b] = {p: tuple(x + w * (y - x) for x, y in zip(r0[p], r1[p])) for p in r0}
     return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
                       {job: prof for job, (prof, _) in runs.items()}, {b: remat[b] for b in sizes})
+
+
+class _Sized:
+    """An iterator with a length, for the progress bar."""
+
+    def __init__(self, it, n: int):
+        self.it, self.n = it, n
+
+    def __iter__(self):
+        return iter(self.it)
+
+    def __len__(self):
+        return self.n
 
 
 def _unit_mask(problem: Problem) -> np.ndarray:

@@ -94,7 +94,8 @@ class Plan:
     hardware: str = ""
     search_seconds: float = 0.0  # cost tables and exact search
     planning_seconds: float = 0.0  # all of plan(), wall clock
-    compile_seconds: float = 0.0  # of which compiling (and timing) probe and verification steps
+    compile_seconds: float = 0.0  # of which compiling probe and verification steps (wall clock: compiles
+    #                                 running at once on worker threads count once)
     compiles: int = 0  # XLA compiles that planning ran
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
     pool_overlap: float = 0.0  # the cost model's pool overlap omega (_cost), fitted on a compiled plan

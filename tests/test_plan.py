@@ -1,4 +1,6 @@
 """osdp_jax.plan: budgets, predictions against XLA, edge cases, JSON."""
+import time
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -232,11 +234,11 @@ def test_training_reuses_the_verification_compile(mesh):
 
 
 def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(mesh):
-    """A probe is compiled without the backend's LLVM optimisation (``FIGURES_ONLY``): XLA's memory
+    """A step compiled without the backend's LLVM optimisation (``FIGURES_ONLY``): XLA's memory
     figures and cost analysis are the same as a fully optimised compile's, on a layer stack with
-    remat and on an unrolled model with units."""
+    remat and on an unrolled model with units; a probe (``PROBE_ONLY_CPU`` too) is within 1 KiB."""
     from experiments.benchmarks import foreign
-    from osdp_jax.runtime.step import FIGURES_ONLY, abstract_args, build_step, jit_step
+    from osdp_jax.runtime.step import FIGURES_ONLY, _options, abstract_args, build_step, jit_step
     _, stack, stack_loss, stack_batch = toy.stack_setup(n_layer=2, batch=32)
     lm, lm_loss, lm_batch = foreign.einsum_lm(layers=2)
     opt = optax.adam(1e-3)
@@ -247,8 +249,36 @@ def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(me
         lowered = jit_step(build_step(loss_fn, opt, mesh, layout)).trace(
             *abstract_args(opt, params, batch, mesh, layout)).lower()
         figures = [osdp_jax.profile_compiled(lowered.compile(compiler_options=options))
-                   for options in (FIGURES_ONLY, {"xla_backend_optimization_level": 2})]
+                   for options in (FIGURES_ONLY, {"xla_backend_optimization_level": 2}, _options("probe", mesh))]
         assert figures[0] == figures[1]
+        # a probe's (older CPU emitters): the same arguments and outputs, temp within 1 KiB, FLOPs
+        # within 0.1%
+        full, probe = figures[1], figures[2]
+        assert _options("probe", mesh) != FIGURES_ONLY
+        assert (probe.argument_bytes, probe.output_bytes, probe.alias_bytes) == (
+            full.argument_bytes, full.output_bytes, full.alias_bytes)
+        assert abs(probe.temp_bytes - full.temp_bytes) <= 1024 and probe.flops == pytest.approx(full.flops, rel=1e-3)
+
+
+def test_probes_compiled_on_worker_threads_each_get_their_own_figures(mesh):
+    """``compile_many`` lowers in order and compiles on worker threads: each step's figures are
+    those of compiling it alone, the compiles are counted, and their seconds are wall clock."""
+    from experiments.benchmarks import foreign
+    from osdp_jax.runtime.step import clear_compiled, compile_count, compile_counted, compile_many, compile_seconds
+    params, loss_fn, batch = foreign.plain_mlp()
+    opt = optax.adam(1e-3)
+    half = jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] // 2, *x.shape[1:]), x.dtype), batch)
+    steps = [(loss_fn, opt, params, b, mesh, make(params, mesh), "probe")
+             for b in (batch, half) for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
+    clear_compiled()
+    alone = [osdp_jax.profile_compiled(*compile_counted(*s[:6], figures_only=s[6])) for s in steps]
+    clear_compiled()
+    n0, s0, t0 = compile_count(), compile_seconds(), time.perf_counter()
+    done = dict(compile_many(steps, threads=2))
+    wall = time.perf_counter() - t0
+    assert compile_count() - n0 == 4 and 0 < compile_seconds() - s0 <= wall
+    assert [osdp_jax.profile_compiled(*done[i]) for i in range(4)] == alone
+    assert len({p.peak_bytes for p in alone}) == 4  # four different steps
 
 
 def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):

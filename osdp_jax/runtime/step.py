@@ -24,7 +24,9 @@ optimizer state and batches is ``runtime.place``.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import NamedTuple
 
@@ -461,7 +463,8 @@ def compile_count() -> int:
 
 
 def compile_seconds() -> float:
-    """Seconds the compiles :func:`compile_count` counts took."""
+    """Seconds the compiles :func:`compile_count` counts took, wall clock (those :func:`compile_many`
+    ran at once count once)."""
     return _COMPILE_SECONDS
 
 
@@ -626,33 +629,125 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
     return compile_counted(loss_fn, optimizer, params, batch, mesh, plan, **options)[0]
 
 
-# A probe only needs XLA's figures: buffer assignment (the memory figures) and the cost analysis run
-# on the optimised HLO, before the backend's LLVM passes, which this option turns off (a compile
-# then takes about half the time on XLA:CPU; tests/test_plan.py checks the figures are equal).
+# A step compiled only for XLA's figures: buffer assignment (the memory figures) and the cost
+# analysis run on the optimised HLO, before the backend's LLVM passes, which this option turns off
+# (a compile then takes about half the time on XLA:CPU; tests/test_plan.py checks the figures are
+# equal). The planner verifies a plan it will not run (``verify="figures"``) this way.
 FIGURES_ONLY = {"xla_backend_optimization_level": 0}
+# A probe goes further on XLA:CPU: its kernels are emitted by the older loop emitters
+# (``xla_cpu_use_fusion_emitters`` off), which halves a probe's compile on the layer-stack models
+# (the new emitters' MLIR pipeline is most of a figures-only compile there). XLA then fuses some
+# elementwise ops differently, so the figures are not the default compile's to the byte: measured
+# within 1 KiB of temp on every model tried (tests/test_plan.py bounds it); FLOPs differ by under
+# 0.1%. Probes are fitted terms, and the chosen plan is verified with the default emitters.
+PROBE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False}
 
 
-def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool = False, **options):
-    """``(compiled step, FLOPs XLA leaves out)``: :func:`compile_step`, and the matmul FLOPs of
-    the loop iterations XLA's cost analysis does not count (``osdp_jax.xla.loop_flops``), from the
-    same trace. ``figures_only``: compiled for its figures alone (:data:`FIGURES_ONLY`: not to be
-    run, so not kept for :func:`make_train_step` to reuse; a kept step is used if there is one)."""
+def _options(purpose: str, mesh) -> dict | None:
+    """Compiler options for a step compiled to run (``"run"``), for its figures (``"figures"``) or
+    as a probe (``"probe"``)."""
+    if purpose == "run":
+        return None
+    cpu = purpose == "probe" and mesh.devices.flat[0].platform == "cpu"
+    return {**FIGURES_ONLY, **(PROBE_ONLY_CPU if cpu else {})}
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A step traced for :func:`compile_counted`: compiled already (``compiled``), or to compile
+    from ``lowered``; kept under ``key`` in ``kept`` once it is."""
+
+    key: object
+    kept: "collections.OrderedDict"
+    lowered: object
+    options: dict | None
+    missing_flops: float
+    compiled: object = None
+
+
+def _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only: bool | str, options) -> _Pending:
+    purpose = "probe" if figures_only == "probe" else "figures" if figures_only else "run"
     args = abstract_args(optimizer, params, batch, mesh, plan)
     options.setdefault("microbatches", getattr(plan, "microbatches", 1))
     step_options = StepOptions(**options)
     traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
-    kept = _FIGURES if figures_only and key not in _COMPILED else _COMPILED  # a runnable one serves both
-    compiled = kept.get(key) if key is not None else None
-    if compiled is None:
-        t0 = time.perf_counter()
-        compiled = traced.lower().compile(compiler_options=FIGURES_ONLY if figures_only else None)
-        global _COMPILES, _COMPILE_SECONDS
+    kept, compiled = _COMPILED, _COMPILED.get(key) if key is not None else None  # a runnable one serves all
+    if compiled is None and purpose != "run":
+        kept, key = _FIGURES, None if key is None else (key, purpose)
+        compiled = kept.get(key) if key is not None else None
+    lowered = traced.lower() if compiled is None else None
+    return _Pending(key, kept, lowered, _options(purpose, mesh), loop_flops(traced.jaxpr), compiled)
+
+
+def _compile(pending: _Pending) -> tuple[object, float]:
+    """The pending step compiled (no shared state is touched: safe in a worker thread), and the
+    seconds it took."""
+    t0 = time.perf_counter()
+    return pending.lowered.compile(compiler_options=pending.options), time.perf_counter() - t0
+
+
+def _timed_compile(pending: _Pending) -> tuple[object, float, float]:
+    t0 = time.perf_counter()
+    return _compile(pending)[0], t0, time.perf_counter()
+
+
+def _union(spans: list) -> float:
+    """Seconds covered by the ``(start, end)`` spans (overlapping compiles counted once)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
+
+
+def _finish(pending: _Pending, compiled=None, seconds: float = 0.0):
+    global _COMPILES, _COMPILE_SECONDS
+    if pending.compiled is None:
         _COMPILES += 1
-        _COMPILE_SECONDS += time.perf_counter() - t0
-    if key is not None:
-        _keep(kept, key, compiled, _KEEP_FIGURES if kept is _FIGURES else _KEEP)
-    return compiled, loop_flops(traced.jaxpr)
+        _COMPILE_SECONDS += seconds
+        pending.compiled = compiled
+    if pending.key is not None:
+        _keep(pending.kept, pending.key, pending.compiled, _KEEP_FIGURES if pending.kept is _FIGURES else _KEEP)
+    return pending.compiled, pending.missing_flops
+
+
+def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool | str = False, **options):
+    """``(compiled step, FLOPs XLA leaves out)``: :func:`compile_step`, and the matmul FLOPs of
+    the loop iterations XLA's cost analysis does not count (``osdp_jax.xla.loop_flops``), from the
+    same trace. ``figures_only``: compiled for its figures alone (:data:`FIGURES_ONLY`; ``"probe"``:
+    and :data:`PROBE_ONLY_CPU`), not to be run, so not kept for :func:`make_train_step` to reuse;
+    a kept runnable step is used if there is one."""
+    pending = _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only, options)
+    return _finish(pending, *(_compile(pending) if pending.compiled is None else ()))
+
+
+def compile_many(steps, threads: int):
+    """:func:`compile_counted` for each ``(loss_fn, optimizer, params, batch, mesh, plan,
+    figures_only)`` of ``steps``, yielding ``(index, (compiled, FLOPs XLA leaves out))`` as each is
+    done. Each step is traced and lowered in this thread, in order, while up to ``threads`` worker
+    threads compile those already lowered (XLA compiles outside Python's lock: on 2 cores, 12
+    probes of gpt2-mini took 30% less time pipelined so)."""
+    steps = list(steps)
+    if threads <= 1 or len(steps) < 2:
+        for i, step in enumerate(steps):
+            yield i, compile_counted(*step[:6], figures_only=step[6])
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="osdp-jax-compile") as pool:
+        futures = {}
+        for i, step in enumerate(steps):
+            pending = _prepare(*step, {})
+            if pending.compiled is not None:
+                yield i, _finish(pending)
+            else:
+                futures[pool.submit(_timed_compile, pending)] = i, pending
+        spans = []
+        for future in concurrent.futures.as_completed(futures):
+            i, pending = futures[future]
+            compiled, start, end = future.result()
+            before = _union(spans)
+            spans.append((start, end))
+            yield i, _finish(pending, compiled, _union(spans) - before)  # wall seconds, not thread seconds
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool = False,
