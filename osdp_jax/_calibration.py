@@ -93,7 +93,9 @@ UNIT_SCALES: dict = {}  # in-process: the scale of the units' savings refitted p
 MAX_THREADS = 8  # compile threads XlaCalibrator uses at most by default (each compile holds its HLO)
 
 
-def _threads() -> int:
+def compile_threads() -> int:
+    """The compile threads an ``XlaCalibrator`` uses by default: the CPUs this process may run on,
+    at most :data:`MAX_THREADS`."""
     return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count() or 1))
 
@@ -166,7 +168,7 @@ class XlaCalibrator:
         steps = [(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout, False if timed else "probe")
                  for _, _, batch, layout, _, timed in to_compile]
         t0, n0 = time.perf_counter(), compile_count()
-        threads = 1 if any(job[-1] for job in to_compile) else self.threads or _threads()
+        threads = 1 if any(job[-1] for job in to_compile) else self.threads or compile_threads()
         for j, (compiled, missing) in compile_many(steps, threads):
             i, kind, batch, layout, key, timed = to_compile[j]
             prof, seconds = profile_compiled(compiled, missing), None

@@ -33,7 +33,7 @@ import jax  # noqa: E402
 
 import osdp_jax  # noqa: E402
 from experiments import config, runner  # noqa: E402
-from osdp_jax.planning import clear_compiled, clear_probe_cache  # noqa: E402
+from osdp_jax.planning import clear_compiled, clear_probe_cache, compile_threads  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
 
@@ -92,7 +92,8 @@ def main():
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",
               "not one); the cold plans compile every probe (up to six kinds at two batch sizes) and the chosen",
               "plan; at the second budget only a plan that was not compiled before is. Probes are compiled for",
-              "their figures only (no LLVM optimisation); the chosen plan in full (training runs that",
+              "their figures only (no LLVM optimisation, XLA:CPU's older loop emitters), traced in order while",
+              f"{compile_threads()} worker threads compile them; the chosen plan in full (training runs that",
               "executable), except in the last columns: a third budget, on the same warm probe cache, with the",
               "plan compiled for its figures only (`verify=\"figures\"`, as `compare --budgets` does).", ""]
     out = pathlib.Path("experiments/results/planning_time.md")
