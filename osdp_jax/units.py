@@ -72,9 +72,17 @@ def _unit_class(cls):
             if ctx is None or ctx.in_unit:
                 return cls.__call__(self, *args, **kwargs)
             graphdef, state = nnx.split(self)
-            return _runtime.call("nnx", None, state,
-                                 lambda st, *a, **kw: cls.__call__(nnx.merge(graphdef, st), *a, **kw),
-                                 *args, **kwargs)
+            if not jax.tree.leaves(nnx.state(self, nnx.Not(nnx.Param))):
+                return _runtime.call("nnx", None, state,
+                                     lambda st, *a, **kw: cls.__call__(nnx.merge(graphdef, st), *a, **kw),
+                                     *args, **kwargs)
+
+            def run(st, *a, **kw):  # other state (batch statistics) leaves the unit as an output
+                module = nnx.merge(graphdef, st)  # new variables, at this trace level
+                return cls.__call__(module, *a, **kw), nnx.as_pure(nnx.state(module, nnx.Not(nnx.Param)))
+            out, other = _runtime.call("nnx", None, nnx.as_pure(state), run, *args, **kwargs)
+            nnx.update(self, other)
+            return out
 
         def body(ns):
             ns.update(__call__=__call__, __osdp_unit__=True, __module__=cls.__module__, __qualname__=cls.__qualname__)
@@ -87,9 +95,9 @@ def mark(model, units=None, *, share: float = DEFAULT_SHARE):
 
     ``units``: ``fnmatch`` patterns of submodule paths (``"blocks/*"``); by default the policy of
     the module docstring (modules in a list or numbered like ``layer_3``, and modules holding at
-    least ``share`` of the parameter bytes). Only modules whose state is all ``nnx.Param`` can be
-    units (a module with batch statistics or rng state runs as it is). Call it before
-    ``nnx.split``: the graph definition then carries the marked classes."""
+    least ``share`` of the parameter bytes). A unit's other state (``nnx.BatchStat``) leaves each
+    call as an output and is written back into the module (``nnx.update``), as if it had run in
+    place. Call it before ``nnx.split``: the graph definition then carries the marked classes."""
     if not isinstance(model, nnx.Module):
         raise TypeError(f"osdp_jax.units.mark takes a flax nnx Module, got {type(model).__name__}; linen "
                         f"modules need no marking, and plain functions take the @osdp_jax.units.unit decorator")
@@ -100,8 +108,6 @@ def mark(model, units=None, *, share: float = DEFAULT_SHARE):
     params = {i.path: i.nbytes for i in describe(nnx.state(model, nnx.Param))}
     calls = []
     for name, node in modules.items():
-        if jax.tree.leaves(nnx.state(node, nnx.Not(nnx.Param))):
-            continue
         paths = [p for p in params if p.startswith(name + "/")]
         if paths:
             calls.append(("linen", name, tuple(paths)))  # chosen by the linen rules: path names

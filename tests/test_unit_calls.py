@@ -284,3 +284,80 @@ def test_a_unit_without_an_activation_figure_is_counted_by_bytes(mesh):
     problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1,), loss_fn, batch)
     assert len(set(problem.units.values())) == 3
     np.testing.assert_array_equal(problem.saving_bytes(), [64 * 64 * 4] * 3)
+
+
+def test_units_with_batch_statistics_train_like_ddp_and_plan(mesh):
+    """A linen ResNet with BatchNorm (``foreign.resnet_bn``): its blocks are units, their new
+    statistics leaving each unit as outputs and going back into the model's scope. Training with
+    units equals DDP on the same mesh, losses and statistics (each device normalises its own
+    slice of the batch either way); the eval step, with the statistics immutable, equals one
+    device; a plan under FSDP's peak without units takes units and fits by XLA."""
+    params, stats, loss_fn, batch = foreign.resnet_bn()
+    plain = lambda p, b: loss_fn(p, b, stats)[0]  # noqa: E731 - the planner's loss: statistics fixed
+    units = osdp_jax.units.find(plain, params, batch)
+    assert sorted(set(units.values())) == [f"ResBlock_{i}" for i in range(4)]
+    opt = optax.adam(1e-3)
+    runs = {}
+    for name, layout in (("ddp", osdp_jax.Layout.ddp(params, mesh)),
+                         ("units", osdp_jax.Layout.fsdp(params, mesh, units=units))):
+        p = osdp_jax.shard(params, mesh, layout)
+        o = osdp_jax.init_opt_state(opt, p, layout, mesh)
+        step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh, state=True)
+        s, losses = stats, []
+        for _ in range(2):
+            p, o, loss, s = step(p, o, batch, s)
+            losses.append(float(loss))
+        runs[name] = losses, s
+    np.testing.assert_allclose(runs["units"][0], runs["ddp"][0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(runs["units"][1]), jax.tree.leaves(runs["ddp"][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    model = foreign.ResNet((2, 2), 16, norm="batch")
+    layout = osdp_jax.Layout.fsdp(params, mesh, units=units)
+
+    def xent(p, b, state):
+        logits = model.apply({"params": p, **state}, b["x"], train=False)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    evaluate = osdp_jax.make_eval_step(xent, layout, mesh, state=True)
+    got = evaluate(osdp_jax.shard(params, mesh, layout), jax.device_put(batch, osdp_jax.batch_sharding(mesh, layout)),
+                   stats)
+    np.testing.assert_allclose(float(got), float(xent(params, batch, stats)), rtol=1e-5)
+    peaks = [osdp_jax.profile_step(plain, opt, params, batch, mesh, layout).peak_bytes
+             for layout in (osdp_jax.Layout.fsdp(params, mesh), layout)]
+    assert peaks[1] < peaks[0]
+    plan = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=plain, batch=batch, optimizer=opt)
+    assert plan.units and plan.xla_peak_bytes <= plan.budget_bytes
+
+
+def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
+    """An nnx model whose marked blocks hold BatchNorm statistics and dropout rng state
+    (``foreign.nnx_bn_mlp``): each unit's other state leaves it as an output and is written back
+    (``nnx.update``). Training with units equals DDP on the same mesh, losses and new state; the
+    rng counts advance as on one device (integer state is kept, not summed over devices)."""
+    params, state, loss_fn, batch = foreign.nnx_bn_mlp()
+    plain = lambda p, b: loss_fn(p, b, state)[0]  # noqa: E731
+    units = osdp_jax.units.find(plain, params, batch)
+    assert sorted(set(units.values())) == [f"blocks/{i}" for i in range(4)]
+    opt = optax.sgd(0.01)
+    runs = {}
+    for name, layout in (("ddp", osdp_jax.Layout.ddp(params, mesh)),
+                         ("units", osdp_jax.Layout.fsdp(params, mesh, units=units))):
+        p = osdp_jax.shard(params, mesh, layout)
+        o = osdp_jax.init_opt_state(opt, p, layout, mesh)
+        step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh, state=True)
+        s, losses = state, []
+        for _ in range(3):
+            p, o, loss, s = step(p, o, batch, s)
+            losses.append(float(loss))
+        runs[name] = losses, s
+    np.testing.assert_allclose(runs["units"][0], runs["ddp"][0], rtol=1e-5)
+    one = state
+    for _ in range(3):
+        one = loss_fn(params, batch, one)[1]
+    for got, ddp, ref in zip(*(jax.tree.leaves(runs[k][1]) for k in ("units", "ddp")), jax.tree.leaves(one)):
+        if jax.dtypes.issubdtype(got.dtype, jax.dtypes.prng_key):
+            got, ddp, ref = (jax.random.key_data(x) for x in (got, ddp, ref))
+        if np.issubdtype(np.asarray(got).dtype, np.floating):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ddp), rtol=1e-5, atol=1e-6)
+        else:  # rng keys and counts: as one device's after three steps
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+            np.testing.assert_array_equal(np.asarray(ddp), np.asarray(ref))

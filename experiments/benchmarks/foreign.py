@@ -92,12 +92,17 @@ def _linen_classifier(model, data):
 class ResBlock(nn.Module):
     features: int
     stride: int = 1
+    norm: str = "group"  # "batch": BatchNorm, whose statistics are a mutable collection
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = True):
+        def norm():
+            if self.norm == "batch":
+                return nn.BatchNorm(use_running_average=not train, momentum=0.9)
+            return nn.GroupNorm(num_groups=8)
         y = nn.Conv(self.features, (3, 3), (self.stride, self.stride), use_bias=False)(x)
-        y = nn.relu(nn.GroupNorm(num_groups=8)(y))
-        y = nn.GroupNorm(num_groups=8)(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+        y = nn.relu(norm()(y))
+        y = norm()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
         if x.shape[-1] != self.features or self.stride != 1:
             x = nn.Conv(self.features, (1, 1), (self.stride, self.stride), use_bias=False, name="proj")(x)
         return nn.relu(x + y)
@@ -109,13 +114,14 @@ class ResNet(nn.Module):
     stages: tuple = (2, 2, 2)
     width: int = 32
     classes: int = 10
+    norm: str = "group"
 
     @nn.compact
-    def __call__(self, images):
+    def __call__(self, images, train: bool = True):
         x = nn.relu(nn.Conv(self.width, (3, 3), use_bias=False)(images))
         for i, blocks in enumerate(self.stages):
             for j in range(blocks):
-                x = ResBlock(self.width * 2 ** i, 2 if i and not j else 1)(x)
+                x = ResBlock(self.width * 2 ** i, 2 if i and not j else 1, self.norm)(x, train)
         return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
 
 
@@ -125,6 +131,22 @@ def resnet(stages=(2, 2, 2), width=32, batch=16, size=16):
     rng = np.random.default_rng(0)
     return _linen_classifier(model, {"x": jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32),
                                      "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)})
+
+
+def resnet_bn(stages=(2, 2), width=16, batch=16, size=8):
+    """``(params, batch_stats, loss_fn, batch)``: :class:`ResNet` with BatchNorm, trained with its
+    statistics as state: ``loss_fn(p, b, state) -> (loss, new state)`` (``make_train_step(...,
+    state=True)``), ``state`` being ``{"batch_stats": ...}``."""
+    model = ResNet(tuple(stages), width, norm="batch")
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, 10, (batch,)), jnp.int32)}
+    variables = model.init(jax.random.key(0), data["x"], train=False)
+
+    def loss_fn(p, b, state):
+        logits, new = model.apply({"params": p, **state}, b["x"], mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean(), new
+    return variables["params"], {"batch_stats": variables["batch_stats"]}, loss_fn, data
 
 
 class SetupBlock(nn.Module):
@@ -206,6 +228,45 @@ def vit(depth=4, d=64, batch=16, mark=True):
         logits = nnx.merge(graphdef, p)(b["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
     return params, loss_fn, data
+
+
+class BnBlock(nnx.Module):
+    """A residual block with BatchNorm (``nnx.BatchStat`` state) and dropout (rng state)."""
+
+    def __init__(self, d, rngs, dropout):
+        self.fc, self.bn = nnx.Linear(d, d, rngs=rngs), nnx.BatchNorm(d, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jax.nn.relu(self.bn(self.fc(x))))
+
+
+class BnMlp(nnx.Module):
+    def __init__(self, depth, d, rngs, dropout):
+        self.blocks = nnx.List([BnBlock(d, rngs, dropout) for _ in range(depth)])
+        self.head = nnx.Linear(d, 1, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def nnx_bn_mlp(depth=4, d=64, batch=32, dropout=0.2):
+    """``(params, state, loss_fn, batch)`` of :class:`BnMlp` (nnx, units marked), trained with its
+    batch statistics and rng state as state: ``loss_fn(p, b, state) -> (loss, new state)``
+    (``make_train_step(..., state=True)``), ``state`` as ``nnx.as_pure`` gives it."""
+    model = osdp_jax.units.mark(BnMlp(depth, d, nnx.Rngs(0, dropout=1), dropout))
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, d)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32)}
+
+    def loss_fn(p, b, state):
+        m = nnx.merge(graphdef, p, nnx.as_pure(state))  # new variables at this trace level
+        loss = ((m(b["x"]) - b["y"]) ** 2).mean()
+        return loss, nnx.as_pure(nnx.state(m, nnx.Not(nnx.Param)))
+    return params, nnx.as_pure(state), loss_fn, data
 
 
 @osdp_jax.units.unit

@@ -61,10 +61,25 @@ def _install(cls, name: str, replacement) -> None:
 
 def _apply_clone(module, method: str, variables, *args, **kwargs):
     """``module.method(*args)`` run on ``variables``: an unbound copy of the module applied to them,
-    with a key per rng stream the module's scope has (``runtime.units`` runs a unit this way)."""
+    with a key per rng stream the module's scope has (``runtime.units`` runs a unit this way).
+    With collections the module may change (:func:`_mutable`), ``(output, their new values)``."""
     rngs = {name: module.make_rng(name) for name in module.scope.rngs} or None
+    mutable = _mutable(module)
     return module.clone(parent=None).apply(variables, *args, method=None if method == "__call__" else method,
-                                           rngs=rngs, **kwargs)
+                                           rngs=rngs, mutable=mutable or False, **kwargs)
+
+
+def _mutable(module) -> list[str]:
+    """The collections other than parameters that ``module`` holds and may change in this call
+    (e.g. ``batch_stats`` in training)."""
+    return [c for c in module.variables if c != "params" and module.is_mutable_collection(c)]
+
+
+def _put_back(module, updates) -> None:
+    """A unit's changed collections written into ``module``'s scope, as if it had run in place."""
+    for col, tree in updates.items():
+        for name, value in tree.items():
+            module.put_variable(col, name, value)
 
 
 _NOT_A_UNIT = object()
@@ -79,20 +94,28 @@ def _may_be_unit(module, method: str) -> bool:
 
 def _linen_unit(module, method: str, args, kwargs):
     """A linen module method as a unit call (``runtime.units``), or ``_NOT_A_UNIT``: every
-    method of a submodule holding only parameters is recorded while discovering, and runs as its
-    unit when the plan names the module's path."""
+    method of a submodule holding parameters is recorded while discovering, and runs as its unit
+    when the plan names the module's path. Collections the call may change (batch statistics
+    in training, ``sow``n intermediates) come out of the unit as outputs and are written into
+    the module's scope, as if it had run in place; rng streams come in as keys."""
     ctx = ACTIVE.get()
     if ctx is None or ctx.in_unit or not _may_be_unit(module, method):
         return _NOT_A_UNIT
     name = "/".join(module.scope.path)
     if ctx.recording:
-        if set(module.variables) == {"params"}:
+        if "params" in module.variables:
             units.record("linen", name, module.variables["params"])
         return _NOT_A_UNIT
     if name not in ctx.units.values():
         return _NOT_A_UNIT
-    return units.call("linen", name, module.variables, lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw),
-                      *args, **kwargs)
+    if not _mutable(module):
+        return units.call("linen", name, module.variables,
+                          lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw), *args, **kwargs)
+    # collections the call changes (batch statistics) leave the unit as outputs, then go in place
+    out, updates = units.call("linen", name, module.variables,
+                              lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw), *args, **kwargs)
+    _put_back(module, updates)
+    return out
 
 
 def _linen(next_fun, args, kwargs, context):
@@ -105,9 +128,11 @@ def _linen(next_fun, args, kwargs, context):
     out = _linen_layer(next_fun, args, kwargs, context)
     ctx, method = ACTIVE.get(), context.method_name
     if (ctx is not None and ctx.recording and _may_be_unit(module, method)
-            and set(module.variables) == {"params"}):  # a call _linen_unit recorded
+            and "params" in module.variables):  # a call _linen_unit recorded
+        others = {c: v for c, v in module.variables.items() if c != "params"}
         units.measure("/".join(module.scope.path), module.variables["params"],
-                      lambda ps, *a, **kw: _apply_clone(module, method, {"params": ps}, *a, **kw), args, kwargs)
+                      lambda ps, *a, **kw: _apply_clone(module, method, {"params": ps, **others}, *a, **kw),
+                      args, kwargs)
     return out
 
 

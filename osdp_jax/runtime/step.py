@@ -72,6 +72,14 @@ def _reduce_out(x, axes, how: str):
     return jax.lax.psum(x, axes)
 
 
+def _reduce_state(x, axes):
+    """One device's new mutable state combined across the data-parallel devices: floating leaves
+    averaged (``pmean``: BatchNorm statistics); the others (integer counters, PRNG keys: nnx's
+    rng state) start replicated and change alike on every device, so each device's is kept."""
+    x = jax.numpy.asarray(x)
+    return jax.lax.pmean(x, axes) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x
+
+
 def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = True):
     """``f(params, *args) -> loss_fn(model params, *args)``, per device: the parameters as the model
     sees them inside the step.
@@ -261,7 +269,7 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
         done = by_path(lambda p, s, t: t if m > 1 and scattered(p, s, t) else s, param_specs, state_specs)
         grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, done, state_specs)
         aux = jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), aux)
-        new_state = jax.tree.map(lambda x: _reduce_out(x, axes, "mean"), new_state)
+        new_state = jax.tree.map(lambda x: _reduce_state(x, axes), new_state)
         return jax.lax.pmean(loss, axes), aux, grads, new_state
 
     return body

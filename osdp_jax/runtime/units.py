@@ -167,5 +167,5 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
     out = jax.eval_shape(run, shards, inputs)
     axes = kernels[0].spec.how.axes
     always = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) >= 0
-    return jax.lax.cond(always, run, lambda *_: jax.tree.map(lambda o: jnp.zeros(o.shape, o.dtype), out),
-                        shards, inputs)
+    return jax.lax.cond(always, run, lambda *_: jax.tree.map(lambda o: jax.lax.full(o.shape, 0, o.dtype), out),
+                        shards, inputs)  # (lax.full: PRNG key outputs too, an nnx unit's rng state)
