@@ -108,12 +108,11 @@ def _linen_unit(module, method: str, args, kwargs):
         return _NOT_A_UNIT
     if name not in ctx.units.values():
         return _NOT_A_UNIT
+    out = units.call("linen", name, module.variables,
+                     lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw), *args, **kwargs)
     if not _mutable(module):
-        return units.call("linen", name, module.variables,
-                          lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw), *args, **kwargs)
-    # collections the call changes (batch statistics) leave the unit as outputs, then go in place
-    out, updates = units.call("linen", name, module.variables,
-                              lambda vs, *a, **kw: _apply_clone(module, method, vs, *a, **kw), *args, **kwargs)
+        return out
+    out, updates = out  # collections the call changed (batch statistics) left the unit as outputs
     _put_back(module, updates)
     return out
 

@@ -688,16 +688,11 @@ def _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only: bool |
     return _Pending(key, kept, lowered, _options(purpose, mesh), loop_flops(traced.jaxpr), compiled)
 
 
-def _compile(pending: _Pending) -> tuple[object, float]:
-    """The pending step compiled (no shared state is touched: safe in a worker thread), and the
-    seconds it took."""
+def _compile(pending: _Pending) -> tuple[object, float, float]:
+    """The pending step compiled (no shared state is touched: safe in a worker thread), and when
+    the compile started and ended (``time.perf_counter``)."""
     t0 = time.perf_counter()
-    return pending.lowered.compile(compiler_options=pending.options), time.perf_counter() - t0
-
-
-def _timed_compile(pending: _Pending) -> tuple[object, float, float]:
-    t0 = time.perf_counter()
-    return _compile(pending)[0], t0, time.perf_counter()
+    return pending.lowered.compile(compiler_options=pending.options), t0, time.perf_counter()
 
 
 def _union(spans: list) -> float:
@@ -727,7 +722,10 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_on
     and :data:`PROBE_ONLY_CPU`), not to be run, so not kept for :func:`make_train_step` to reuse;
     a kept runnable step is used if there is one."""
     pending = _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only, options)
-    return _finish(pending, *(_compile(pending) if pending.compiled is None else ()))
+    if pending.compiled is not None:
+        return _finish(pending)
+    compiled, start, end = _compile(pending)
+    return _finish(pending, compiled, end - start)
 
 
 def compile_many(steps, threads: int):
@@ -748,7 +746,7 @@ def compile_many(steps, threads: int):
             if pending.compiled is not None:
                 yield i, _finish(pending)
             else:
-                futures[pool.submit(_timed_compile, pending)] = i, pending
+                futures[pool.submit(_compile, pending)] = i, pending
         spans = []
         for future in concurrent.futures.as_completed(futures):
             i, pending = futures[future]
