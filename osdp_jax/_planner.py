@@ -21,6 +21,7 @@ from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
 from ._layout import check_dtype, whole_spec
+from ._loss import PlainLoss
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
 from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
@@ -58,6 +59,10 @@ class PlanOptions:
     unit_remat: str = "full"  # the remat policy units run under
     compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
     microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
+    has_aux: bool = False  # loss_fn returns (loss, aux), as make_train_step(has_aux=True) takes it
+    rng: bool = False  # loss_fn takes rng=, as make_train_step(rng=True) gives it
+    state: object = None  # mutable collections (arrays or ShapeDtypeStructs): loss_fn takes state= and
+    #                       returns (loss, new_state), as make_train_step(state=True) takes it
 
 
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
@@ -86,7 +91,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         ``microbatches`` (e.g. ``(1, 2, 4, 8)``: each global batch size is also tried as m
         microbatches with gradient accumulation, ``Plan.microbatches``, and each parameter's
         gradient summed whole or in its shard across them, ``ParamPlan.accumulate``; the default
-        ``(1,)`` does not accumulate).
+        ``(1,)`` does not accumulate), and ``has_aux``, ``rng`` and ``state`` (the mutable
+        collections, e.g. ``{"batch_stats": ...}``): the loss function as ``make_train_step``
+        takes it with those flags (``osdp_jax._loss.PlainLoss``: the probes see zeros of the
+        state's shapes and a fixed key, and only the loss).
 
     A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
     cut it into segments with their own strategy, split count and remat policy
@@ -97,6 +105,8 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     """
     start = time.perf_counter()
     o = dataclasses.replace(options or PlanOptions(), **kwargs)
+    if o.loss_fn is not None:
+        o = dataclasses.replace(o, loss_fn=PlainLoss.of(o.loss_fn, o.has_aux, o.rng, o.state))
     strategies, splits, axes = check_strategies(o.strategies), check_splits(o.splits), data_axes(mesh, o.axis)
     if o.verify not in (True, False, "figures"):
         raise ValueError(f"verify must be True (compile the chosen plan's step, which training then runs), "

@@ -324,8 +324,32 @@ def test_units_with_batch_statistics_train_like_ddp_and_plan(mesh):
     peaks = [osdp_jax.profile_step(plain, opt, params, batch, mesh, layout).peak_bytes
              for layout in (osdp_jax.Layout.fsdp(params, mesh), layout)]
     assert peaks[1] < peaks[0]
-    plan = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=plain, batch=batch, optimizer=opt)
+    # planned with the train step's own loss (state=): the same plan as through the closure
+    plan = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=loss_fn, state=stats, batch=batch,
+                         optimizer=opt)
     assert plan.units and plan.xla_peak_bytes <= plan.budget_bytes
+    closed = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=plain, batch=batch, optimizer=opt)
+    assert closed.layout == plan.layout
+    # again, with the state as shapes: every probe is found in the process's cache
+    again = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt,
+                          state=jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), stats))
+    assert again.layout == plan.layout and again.compiles == 0
+
+
+def test_plan_takes_the_train_steps_loss_with_aux_rng_and_state(mesh):
+    """``plan(has_aux=, rng=, state=)``: a loss written for ``make_train_step`` with those flags is
+    planned as it is (``PlainLoss``); a tuple returned without them is one clear error."""
+    import toy
+    params, loss_fn = toy.plain_params(layers=1), toy.plain_loss
+    batch = toy.tokens(32)
+
+    def with_all(p, b, rng, state):
+        return loss_fn(p, b) + 0 * jax.random.uniform(rng) + 0 * state["n"], ({"rows": b.shape[0]}, state)
+    kw = dict(budget="64GB", batch=batch, optimizer=optax.adam(1e-3), units=())
+    plan = osdp_jax.plan(params, mesh, loss_fn=with_all, has_aux=True, rng=True, state={"n": np.float32(1)}, **kw)
+    assert plan.layout == osdp_jax.plan(params, mesh, loss_fn=loss_fn, **kw).layout
+    with pytest.raises(TypeError, match="must return a scalar loss"):
+        osdp_jax.plan(params, mesh, loss_fn=lambda p, b: (loss_fn(p, b), {}), **kw)
 
 
 def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):

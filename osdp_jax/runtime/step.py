@@ -156,8 +156,8 @@ class StepOptions:
         if not (hasattr(loss, "shape") and loss.shape == ()):
             raise TypeError(
                 f"loss_fn must return a scalar loss, got {getattr(loss, 'shape', type(loss).__name__)}; "
-                f"if it returns (loss, aux), pass has_aux=True (and state=True if it returns new "
-                f"mutable collections)")
+                f"if it returns (loss, aux), pass has_aux=True; if it takes and returns mutable "
+                f"collections, state=True to make_train_step (state=the collections to osdp_jax.plan)")
         return loss, aux, new_state
 
 
