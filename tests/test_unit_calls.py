@@ -286,6 +286,23 @@ def test_a_unit_without_an_activation_figure_is_counted_by_bytes(mesh):
     np.testing.assert_array_equal(problem.saving_bytes(), [64 * 64 * 4] * 3)
 
 
+def _ddp_and_units(params, state, loss_fn, batch, units, opt, steps, mesh):
+    """``{"ddp" | "units": (losses, final state)}``: ``steps`` steps of a stateful loss
+    (``make_train_step(state=True)``) under DDP and under FSDP with ``units``."""
+    runs = {}
+    for name, layout in (("ddp", osdp_jax.Layout.ddp(params, mesh)),
+                         ("units", osdp_jax.Layout.fsdp(params, mesh, units=units))):
+        p = osdp_jax.shard(params, mesh, layout)
+        o = osdp_jax.init_opt_state(opt, p, layout, mesh)
+        step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh, state=True)
+        s, losses = state, []
+        for _ in range(steps):
+            p, o, loss, s = step(p, o, batch, s)
+            losses.append(float(loss))
+        runs[name] = losses, s
+    return runs
+
+
 def test_units_with_batch_statistics_train_like_ddp_and_plan(mesh):
     """A linen ResNet with BatchNorm (``foreign.resnet_bn``): its blocks are units, their new
     statistics leaving each unit as outputs and going back into the model's scope. Training with
@@ -297,17 +314,7 @@ def test_units_with_batch_statistics_train_like_ddp_and_plan(mesh):
     units = osdp_jax.units.find(plain, params, batch)
     assert sorted(set(units.values())) == [f"ResBlock_{i}" for i in range(4)]
     opt = optax.adam(1e-3)
-    runs = {}
-    for name, layout in (("ddp", osdp_jax.Layout.ddp(params, mesh)),
-                         ("units", osdp_jax.Layout.fsdp(params, mesh, units=units))):
-        p = osdp_jax.shard(params, mesh, layout)
-        o = osdp_jax.init_opt_state(opt, p, layout, mesh)
-        step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh, state=True)
-        s, losses = stats, []
-        for _ in range(2):
-            p, o, loss, s = step(p, o, batch, s)
-            losses.append(float(loss))
-        runs[name] = losses, s
+    runs = _ddp_and_units(params, stats, loss_fn, batch, units, opt, 2, mesh)
     np.testing.assert_allclose(runs["units"][0], runs["ddp"][0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(runs["units"][1]), jax.tree.leaves(runs["ddp"][1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -362,17 +369,7 @@ def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
     units = osdp_jax.units.find(plain, params, batch)
     assert sorted(set(units.values())) == [f"blocks/{i}" for i in range(4)]
     opt = optax.sgd(0.01)
-    runs = {}
-    for name, layout in (("ddp", osdp_jax.Layout.ddp(params, mesh)),
-                         ("units", osdp_jax.Layout.fsdp(params, mesh, units=units))):
-        p = osdp_jax.shard(params, mesh, layout)
-        o = osdp_jax.init_opt_state(opt, p, layout, mesh)
-        step = osdp_jax.make_train_step(loss_fn, opt, layout, mesh, state=True)
-        s, losses = state, []
-        for _ in range(3):
-            p, o, loss, s = step(p, o, batch, s)
-            losses.append(float(loss))
-        runs[name] = losses, s
+    runs = _ddp_and_units(params, state, loss_fn, batch, units, opt, 3, mesh)
     np.testing.assert_allclose(runs["units"][0], runs["ddp"][0], rtol=1e-5)
     one = state
     for _ in range(3):
