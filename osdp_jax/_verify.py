@@ -20,13 +20,18 @@ log = logging.getLogger("osdp_jax")
 MAX_TRIES = 3
 
 
+class Superseded(Exception):
+    """:func:`verify` stopped early: the plan it could search for next is predicted slower than
+    ``floor`` (another run's plan, ``_planner._fastest``)."""
+
+
 def _same(a, b) -> bool:
     """Two candidates of the same batch size and choices."""
     return a[1] == b[1] and np.array_equal(a[2].choices, b[2].choices)
 
 
 def verify(first, budget: int, search: Callable, least_memory: Callable, build: Callable,
-           xla_peak: Callable, known=()):
+           xla_peak: Callable, known=(), floor: float | None = None):
     """The best plan whose XLA peak fits ``budget``, built with that peak recorded.
 
     Args:
@@ -41,8 +46,12 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         among them is verified by its figure, with no compile. When the search's choices do not
         fit, the fastest known one that fits is taken unless the least-memory candidate is
         predicted faster and fits; the minimum reported never exceeds a peak that was measured.
+      floor: when the search's choice does not fit and what it finds next is predicted slower
+        than this (samples/s, a candidate's first field), or it finds nothing, give up at once
+        (:class:`Superseded`): another plan predicted that fast is waiting to be verified.
 
     Raises:
+      Superseded: see ``floor``.
       InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured
         (the least-memory plan's or a probe's).
     """
@@ -57,6 +66,8 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         log.info("plan attempt %d: XLA peak %s (predicted %s) over budget %s; re-planning", attempt + 1,
                  format_bytes(measured), format_bytes(plan.predicted_peak_bytes), format_bytes(budget))
         best = search(budget - error)
+        if floor is not None and (best is None or best[0] < floor):
+            raise Superseded(f"re-planning under {format_bytes(budget - error)} is predicted slower than {floor:.4g}")
         if best is None:
             break
     fits = [(c, peak) for c, peak in known if peak <= budget]

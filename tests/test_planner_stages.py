@@ -134,3 +134,46 @@ def test_verification_takes_a_compiled_layout_known_to_fit():
     with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
         verify(first, 90, lambda limit: None, lambda: least, build, peak, known)
     assert info.value.min_bytes == 95  # a probe's peak, below the least-memory candidate's 110
+
+
+def test_a_missed_plan_yields_to_a_faster_next_run():
+    """``verify(floor=)`` gives up as soon as the plan to try next is predicted slower than the
+    floor; ``_fastest`` then verifies the next run first and finishes the yielded one only if
+    nothing else fits."""
+    from osdp_jax._planner import PlanOptions, _fastest
+    from osdp_jax._verify import Superseded
+    build = lambda c, xla_peak=None: (c[1], xla_peak) if xla_peak is not None else _Candidate(c[1], 90.0)  # noqa: E731
+    peaks = {"a": 120, "b": 99}
+    search = {70.0: (5.0, "b")}.get  # the re-plan after a's 30-byte miss: 5 samples/s
+    with pytest.raises(Superseded):
+        verify((9.0, "a"), 100, search, lambda: (1.0, "least"), build, lambda p: peaks[p.name], floor=6.0)
+    assert verify((9.0, "a"), 100, search, lambda: (1.0, "least"), build, lambda p: peaks[p.name],
+                  floor=4.0) == ("b", 99)
+
+    @dataclasses.dataclass
+    class Run:
+        name: str
+        speed: float
+        fits: bool
+        calls: list
+
+        def __call__(self, o, floor=None):
+            self.calls.append((self.name, o.verify, floor))
+            if o.verify and floor is not None and not self.fits:
+                raise Superseded("slower")
+            if o.verify and not self.fits:
+                raise osdp_jax.InfeasibleBudgetError("none", 10)
+            return osdp_jax.Plan(params=(), axes=("data",), num_devices=8, batch_size=8, budget_bytes=100,
+                                 predicted_peak_bytes=90.0, predicted_step_seconds=8 / self.speed,
+                                 predicted_samples_per_second=self.speed)
+
+    calls = []
+    fast, slow = Run("fast", 9.0, False, calls), Run("slow", 6.0, True, calls)
+    got = _fastest([fast, slow], PlanOptions(loss_fn=lambda p, b: 0.0))
+    assert got.predicted_samples_per_second == 6.0
+    assert [c for c in calls if c[1]] == [("fast", True, 6.0), ("slow", True, None)]  # fast yielded, not finished
+    calls.clear()
+    slow.fits = False
+    with pytest.raises(osdp_jax.InfeasibleBudgetError):
+        _fastest([fast, slow], PlanOptions(loss_fn=lambda p, b: 0.0))
+    assert [c for c in calls if c[1]] == [("fast", True, 6.0), ("slow", True, None), ("fast", True, None)]
