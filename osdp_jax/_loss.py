@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +21,7 @@ class PlainLoss:
     fn: object
     has_aux: bool = False
     rng: bool = False
-    state: tuple | None = None  # (treedef, ((shape, dtype), ...)) of the mutable state
+    state: tuple | None = None  # (treedef, ((shape, dtype), ...)) of the mutable state (PRNG keys too)
 
     @classmethod
     def of(cls, fn, has_aux: bool = False, rng: bool = False, state=None):
@@ -31,7 +30,7 @@ class PlainLoss:
             return fn
         if state is not None:
             leaves, treedef = jax.tree.flatten(state)
-            state = (treedef, tuple((tuple(x.shape), jnp.dtype(x.dtype).name) for x in leaves))
+            state = (treedef, tuple((tuple(x.shape), x.dtype) for x in leaves))
         return cls(fn, bool(has_aux), bool(rng), state)
 
     def __call__(self, params, batch):
@@ -40,7 +39,7 @@ class PlainLoss:
             kwargs["rng"] = jax.random.key(0)
         if self.state is not None:
             treedef, specs = self.state
-            kwargs["state"] = jax.tree.unflatten(treedef, [jnp.zeros(s, d) for s, d in specs])
+            kwargs["state"] = jax.tree.unflatten(treedef, [jax.lax.full(s, 0, d) for s, d in specs])  # keys too
         out = self.fn(params, batch, **kwargs)
         if self.has_aux or self.state is not None:
             if not (isinstance(out, tuple) and len(out) == 2):

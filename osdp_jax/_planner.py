@@ -150,9 +150,9 @@ def _fastest(runs, o: PlanOptions) -> Plan:
     as the next unverified one (verification only lowers a plan's budget, so it never makes a
     plan faster): one verification compile where there used to be one per run. A run whose plan
     misses by XLA and would re-plan below the next draft's predicted speed yields to it at once
-    (``verify(floor=)``), and is finished only if no other run fits: on the ViT of
-    ``experiments/benchmarks/foreign.py``, the plan without units missed by 14% and its re-plans
-    cost three more compiles before the plan with units was tried."""
+    (``verify(floor=)``), and is finished only if no other run fits (the ViT's first unit budget
+    in ``experiments/benchmarks/foreign_models.py``: 7 compiles, where finishing the missed plan
+    without units first took 8)."""
     if len(runs) == 1:
         return runs[0](o=o)
     drafts, errors, left = [], [], []

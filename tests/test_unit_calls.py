@@ -368,6 +368,10 @@ def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
     plain = lambda p, b: loss_fn(p, b, state)[0]  # noqa: E731
     units = osdp_jax.units.find(plain, params, batch)
     assert sorted(set(units.values())) == [f"blocks/{i}" for i in range(4)]
+    # plan() takes the same loss with its state, rng keys and all
+    plan = osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, state=state, batch=batch,
+                         optimizer=optax.sgd(0.01), verify=False)
+    assert plan.batch_size == 32 and plan.predicted_peak_bytes > 0
     opt = optax.sgd(0.01)
     runs = _ddp_and_units(params, state, loss_fn, batch, units, opt, 3, mesh)
     np.testing.assert_allclose(runs["units"][0], runs["ddp"][0], rtol=1e-5)
