@@ -245,9 +245,10 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     t0 = time.perf_counter()
     opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
 
-    def tables_for(overlap: float, unit_scale: float = 1.0) -> dict:
+    def tables_for(overlap: float, unit_scale: float = 1.0, sizes=None) -> dict:
+        """Cost tables per batch size (``sizes``: only those) with the pool overlap and unit scale."""
         out = {}
-        for b in batches:
+        for b in batches if sizes is None else sizes:
             t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
                             problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
                             frozenset(problem.units), overlap, problem.gather_ratio(),
@@ -315,7 +316,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return plan  # fitted on an earlier plan of this model, and it holds for this one
     _, size, sol, _, _, _ = compiled["candidate"]
     # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
-    plain = _costed(size, sol.choices, tables_for(0.0, scale)[size]) if fitted else compiled["candidate"]
+    plain = _costed(size, sol.choices, tables_for(0.0, scale, [size])[size]) if fitted else compiled["candidate"]
     overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
     if overlap is not None and overlap != fitted:
         if overlap_key is not None:
@@ -331,8 +332,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     # the plan's units saved less (or more) together than the sum of what each is charged to save
     # (their savings do not add: experiments/results/unit_savings.md): scale them to the compile
     ours = fitted or 0.0
-    without = _predicted(_costed(size, sol.choices, tables_for(ours, 0.0)[size]))
-    saved = without - _predicted(_costed(size, sol.choices, tables_for(ours, 1.0)[size]))  # at scale 1
+    without = _predicted(_costed(size, sol.choices, tables_for(ours, 0.0, [size])[size]))
+    saved = without - _predicted(_costed(size, sol.choices, tables_for(ours, 1.0, [size])[size]))  # at scale 1
     if saved < 0.02 * plan.xla_peak_bytes:
         return plan
     new = float(np.clip((without - plan.xla_peak_bytes) / saved, 0.0, 2.0))

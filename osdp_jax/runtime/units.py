@@ -66,6 +66,20 @@ def _is_array(x) -> bool:
     return isinstance(x, jax.Array) or hasattr(x, "aval")
 
 
+def _inputs(args, kwargs, keep=lambda x: True):
+    """A call's array arguments that ``keep`` accepts, as a list, and ``given(xs) -> (args,
+    kwargs)`` putting values in their places (the other arguments as they were)."""
+    flat, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(flat) if _is_array(x) and keep(x)]
+
+    def given(xs):
+        new = list(flat)
+        for i, x in zip(dynamic, xs):
+            new[i] = x
+        return jax.tree.unflatten(treedef, new)
+    return [flat[i] for i in dynamic], given
+
+
 def record(kind: str, name: str | None, tree) -> str | None:
     """During discovery, note a possible unit: call site ``name`` of ``kind`` ("linen", "nnx" or
     "function"; None: named by the longest path prefix its parameters share) and the paths of
@@ -110,17 +124,13 @@ def saved_bytes(fn, tree, args, kwargs) -> int:
     under full remat does not keep (it keeps its inputs and runs its forward pass again), before
     XLA fuses any of them away: the planner uses them only to share a measured saving out among
     units (``_cost``)."""
-    flat, args_def = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(flat) if _is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    xs, given = _inputs(args, kwargs, lambda x: jnp.issubdtype(x.dtype, jnp.inexact))
 
     def f(t, xs):
-        given = list(flat)
-        for i, x in zip(dynamic, xs):
-            given[i] = x
-        a, kw = jax.tree.unflatten(args_def, given)
+        a, kw = given(xs)
         return fn(t, *a, **kw)
 
-    primals = (tree, [flat[i] for i in dynamic])
+    primals = (tree, xs)
     _, pullback = jax.vjp(f, *primals)
     inputs = {id(x) for x in jax.tree.leaves(primals)}
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pullback)
@@ -144,18 +154,14 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
             and (name is None or ctx.units[x.path] == name)]
     if not mine:
         return fn(tree, *args, **kwargs)
-    flat, args_def = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+    inputs, given = _inputs(args, kwargs)
     kernels = [leaves[i] for i in mine]
 
     def inner(shards, inputs):
         new = list(leaves)
         for i, k, s in zip(mine, kernels, shards):
             new[i] = checkpoint_name(gather(s, k.spec.dim, k.spec.how), GATHERED_NAME)
-        given = list(flat)
-        for i, x in zip(dynamic, inputs):
-            given[i] = x
-        a, kw = jax.tree.unflatten(args_def, given)
+        a, kw = given(inputs)
         ctx.in_unit = True
         try:
             return fn(jax.tree.unflatten(treedef, new), *a, **kw)
@@ -163,7 +169,7 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
             ctx.in_unit = False
 
     run = jax.checkpoint(inner, policy=policy(ctx.unit_remat))
-    shards, inputs = [k.shard for k in kernels], [flat[i] for i in dynamic]
+    shards = [k.shard for k in kernels]
     out = jax.eval_shape(run, shards, inputs)
     axes = kernels[0].spec.how.axes
     always = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) >= 0
