@@ -59,6 +59,7 @@ class PlanOptions:
     unit_remat: str = "full"  # the remat policy units run under
     compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
     microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
+    probe_every_size: bool = False  # every probe kind at the smallest batch size too (5-6 more compiles)
     has_aux: bool = False  # loss_fn returns (loss, aux), as make_train_step(has_aux=True) takes it
     rng: bool = False  # loss_fn takes rng=, as make_train_step(rng=True) gives it
     state: object = None  # mutable collections (arrays or ShapeDtypeStructs): loss_fn takes state= and
@@ -75,8 +76,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
       options: a :class:`PlanOptions`; or pass its fields as keywords: ``budget``, ``loss_fn``,
         ``batch``, ``batch_sizes``, ``optimizer``, ``hardware``, ``strategies``, ``axis``, ``splits``
         (``(1,)`` disables operator splitting), ``verify`` (True: compile the chosen plan, the
-        executable training then runs; ``"figures"``: compile it for XLA's figures only, about half
-        the compile time on XLA:CPU, for plans that will not be run; False: trust the model),
+        executable training then runs; ``"figures"``: compile it for XLA's figures only, as the probes
+        are, a quarter to a half of the compile time on XLA:CPU and within 1 KiB of its peak, for
+        plans that will not be run; False: trust the model),
         ``measure_time`` (runs the probes on the
         mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
@@ -91,7 +93,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         ``microbatches`` (e.g. ``(1, 2, 4, 8)``: each global batch size is also tried as m
         microbatches with gradient accumulation, ``Plan.microbatches``, and each parameter's
         gradient summed whole or in its shard across them, ``ParamPlan.accumulate``; the default
-        ``(1,)`` does not accumulate), and ``has_aux``, ``rng`` and ``state`` (the mutable
+        ``(1,)`` does not accumulate), ``probe_every_size`` (True: every probe kind compiled at
+        the smallest batch size too, not only the all-replicated one, and the terms fitted there;
+        ``osdp_jax.planning.calibrate``), and ``has_aux``, ``rng`` and ``state`` (the mutable
         collections, e.g. ``{"batch_stats": ...}``): the loss function as ``make_train_step``
         takes it with those flags (``osdp_jax._loss.PlainLoss``: the probes see zeros of the
         state's shapes and a fixed key, and only the loss).
@@ -239,7 +243,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
                          for b, x in batches.items()}
     else:
         probe_batches = batches
-    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies)
+    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies,
+                            o.probe_every_size)
                   if o.loss_fn is not None else uncalibrated(batches))
     problem = problem.with_accumulation() if m > 1 else problem  # where each gradient is summed, searched too
     t0 = time.perf_counter()
@@ -290,7 +295,9 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
     if not verifying:
         return build(best)
-    figures_only = o.verify == "figures"  # nothing will run it: no need for the optimised executable
+    # nothing will run it: compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU
+    # within 1 KiB of temp of the default compile), not the optimised executable
+    figures_only = "probe" if o.verify == "figures" else False
     peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
                                               figures_only=figures_only).peak_bytes)
 

@@ -177,3 +177,57 @@ def test_a_missed_plan_yields_to_a_faster_next_run():
     with pytest.raises(osdp_jax.InfeasibleBudgetError):
         _fastest([fast, slow], PlanOptions(loss_fn=lambda p, b: 0.0))
     assert [c for c in calls if c[1]] == [("fast", True, 6.0), ("slow", True, None), ("fast", True, None)]
+
+
+def test_every_probe_kind_at_the_largest_size_only_replicate_and_remat_at_the_smallest(mesh):
+    """The smallest batch size compiles the all-replicated step (the activations' slope) and the
+    remat probes (affine in the batch); the weight terms are the largest size's. With
+    ``every_size`` every kind is compiled at both."""
+    from osdp_jax.planning import probe_jobs
+    _, params, loss_fn, batch = toy.stack_setup(n_layer=2)
+    problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1, 2), loss_fn, batch)
+    R, Z, L, S, D, N = (ProbeKind.REPLICATE, ProbeKind.ZERO3, ProbeKind.LAYER, ProbeKind.SPLIT,
+                        ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE)
+    jobs = probe_jobs(problem, (16, 32, 64), ("full", "dots", "none"))
+    assert sorted(jobs, key=str) == sorted([(R, 16), (D, 16), (N, 16), (R, 64), (Z, 64), (L, 64), (S, 64),
+                                            (D, 64), (N, 64)], key=str)
+    every = probe_jobs(problem, (16, 32, 64), ("full", "dots", "none"), every_size=True)
+    assert set(every) == {(k, b) for k in (R, Z, L, S, D, N) for b in (16, 64)}
+    assert probe_jobs(problem, (64,), ("full",)) == [(k, 64) for k in (R, Z, L, S)]
+
+
+class _Asked(RecordedCalibrator):
+    """Recorded probes, noting each ``(kind, batch size)`` asked for."""
+
+    def profile(self, problem, kind, batch, splits, timed):
+        self.asked.append((kind, jax.tree.leaves(batch)[0].shape[0]))
+        return super().profile(problem, kind, batch, splits, timed)
+
+
+def test_the_smallest_size_takes_the_weight_terms_of_the_largest(mesh):
+    """Only the all-replicated step is compiled at the smallest size; its calibration is that
+    step's figures with the largest size's kappa and zeta. ``every_size`` fits them there."""
+    from osdp_jax._hardware import default_hardware
+    from osdp_jax.planning import calibrate
+    params = toy.plain_params()
+    problem = build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1,), toy.plain_loss, toy.tokens(32))
+    batches = {b: toy.tokens(b) for b in (8, 16, 64)}
+    recorded = RecordedCalibrator.from_json(RECORDED)
+    asked = _Asked(recorded.figures)
+    asked.asked = []
+    got = calibrate(problem, asked, batches, default_hardware(mesh))
+    assert sorted(asked.asked, key=str) == sorted([(ProbeKind.REPLICATE, 8), (ProbeKind.REPLICATE, 64),
+                                                   (ProbeKind.ZERO3, 64)], key=str)
+    small, large = got.calibrations[8], got.calibrations[64]
+    assert small.replicate == got.probes[ProbeKind.REPLICATE, 8] != large.replicate
+    assert (small.kappa, small.zeta, small.sigma, small.xi) == (large.kappa, large.zeta, large.sigma, large.xi)
+    assert large.zeta > 0
+    asked.asked = []
+    every = calibrate(problem, asked, batches, default_hardware(mesh), every_size=True)
+    assert (ProbeKind.ZERO3, 8) in asked.asked
+    z, r = every.probes, every.calibrations
+    # the all-zero3 step's temp over the all-replicated one's changes with the batch in the
+    # recorded figures, so zeta fitted at 8 is not the one carried from 64
+    assert (z[ProbeKind.ZERO3, 8].temp_bytes - z[ProbeKind.REPLICATE, 8].temp_bytes
+            != z[ProbeKind.ZERO3, 64].temp_bytes - z[ProbeKind.REPLICATE, 64].temp_bytes)
+    assert r[64].zeta == large.zeta and r[8].zeta != large.zeta

@@ -756,7 +756,7 @@ def compile_many(steps, threads: int):
             yield i, _finish(pending, compiled, _union(spans) - before)  # wall seconds, not thread seconds
 
 
-def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool = False,
+def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool | str = False,
                  **options) -> StepProfile:
     """XLA's per-device figures (:class:`osdp_jax.StepProfile`) for the step under ``plan``, its
     FLOPs with every loop iteration counted; ``figures_only``: compiled for them alone
