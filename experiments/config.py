@@ -52,7 +52,6 @@ class PlanConfig:
     compute_dtype: str = ""  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters); "": own dtype
     microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
-    probe_every_size: bool = False  # every probe kind at the smallest batch size too, not only all-replicated
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
 

@@ -1,9 +1,8 @@
 """Calibration: the cost model's terms fitted on probe steps.
 
 Activations, temporaries and FLOPs are not modelled from first principles; they are read off
-compiled *probe* steps of the real loss (:class:`ProbeKind`): every kind at the largest
-candidate batch size, the all-replicated step at the smallest too (:func:`probe_jobs`), and
-interpolated between (``_cost.fit``, ``_cost.interpolate``). With
+compiled *probe* steps of the real loss (:class:`ProbeKind`), at the smallest and largest
+candidate batch size, and interpolated between (``_cost.fit``, ``_cost.interpolate``). With
 ``measure_time`` the probes are also run and timed, and the compute and collective seconds scaled
 to the measurements (``_cost.fit_time``).
 
@@ -273,25 +272,18 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
 
 
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
-              progress=lambda jobs, desc: jobs, policies=("full",), every_size: bool = False) -> Calibrated:
-    """``{batch size: Calibration}`` fitted on the probes, interpolated between the smallest and
-    largest of ``batches`` (batch size -> abstract batch); the probes' figures; and the remat
-    policies' per-layer terms, from one probe per policy.
-
-    Every probe kind is compiled at the largest size; at the smallest only REPLICATE and the
-    remat probes are (:func:`probe_jobs`). REPLICATE gives the activations' and the FLOPs' slope in the batch. The
-    other kinds' terms are batch-independent weight terms (kappa, zeta, sigma, xi, the last
-    unit's saving: bytes per byte of parameter), so at the smallest size they are the largest
-    size's; the units' recomputed FLOPs are per sample, the largest size's times ``b0 / b1``. The
-    remat probes, whose terms are affine in the batch with an intercept (their saved activations),
-    are compiled at both sizes. ``every_size``: every kind is compiled at both sizes and fitted at
-    each (the last unit's saving excepted)."""
+              progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
+    """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
+    (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
+    the remat policies' per-layer terms, from one probe per policy at the same two sizes,
+    interpolated between them too."""
     sizes = sorted(batches)
-    b0, b1 = sizes[0], sizes[-1]
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
-    jobs = probe_jobs(problem, sizes, policies, every_size)
+    jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
+    jobs += [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in remat_kinds(problem, policies)]
+    jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
     requests = [(kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
@@ -302,24 +294,18 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     runs = {jobs[i]: figures for i, figures in progress(_Sized(done, len(jobs)), desc)}
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     can_shard, loop = problem.can_shard(), problem.loop_mask()
-
-    def fitted(b, last_saving=None):
+    probed, last_saving = {}, None
+    for b in sorted({sizes[0], sizes[-1]}):
         got = {kind: runs[kind, b][0] for kind in kinds}
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
-        return fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
-                   got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
-                   problem.last_unit_mask(), problem.saving_bytes(), runs.get((ProbeKind.LAST, b), (None,))[0],
-                   last_saving)
-
-    probed = {b1: fitted(b1)}
-    if b0 != b1:
-        probed[b0] = (fitted(b0, probed[b1].last_saving) if every_size else dataclasses.replace(
-            probed[b1], replicate=runs[ProbeKind.REPLICATE, b0][0], unit_flops=probed[b1].unit_flops * b0 / b1))
-    for b in probed:
-        timed = [(sec, runs[kind, b][0].flops / hw.flops, _modelled_comm(problem, kind, hw))
-                 for kind in kinds if (kind, b) in runs and kind is not ProbeKind.SPLIT
-                 and (sec := runs[kind, b][1]) is not None]
+        probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
+                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
+                        problem.last_unit_mask(), problem.saving_bytes(),
+                        runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving)
+        last_saving = probed[b].last_saving
+        timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
+                 for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
         if timed:
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
@@ -327,37 +313,19 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
     remat = {b: {} for b in probed}
     for kind in remat_kinds(problem, policies):
-        base = ProbeKind.LAYER if (ProbeKind.LAYER, b1) in runs else ProbeKind.ZERO3
         for b in probed:
-            # the base (full remat) step at b: compiled there, or the largest size's with the
-            # all-replicated step's change in between (the two differ by weight terms alone)
-            full = runs[base, b][0].temp_bytes if (base, b) in runs else (
-                runs[base, b1][0].temp_bytes + runs[ProbeKind.REPLICATE, b][0].temp_bytes
-                - runs[ProbeKind.REPLICATE, b1][0].temp_bytes)
-            full_flops = runs[base, b][0].flops if (base, b) in runs else (
-                runs[base, b1][0].flops + runs[ProbeKind.REPLICATE, b][0].flops - runs[ProbeKind.REPLICATE, b1][0].flops)
-            prof = runs[kind, b][0]
-            remat[b][kind.remat] = ((prof.temp_bytes - full) / layers,
-                                    probed[b].compute_scale * (prof.flops - full_flops) / hw.flops / layers)
+            base = ProbeKind.LAYER if (ProbeKind.LAYER, b) in runs else ProbeKind.ZERO3
+            full, prof = runs[base, b][0], runs[kind, b][0]
+            remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
+                                    probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
             log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])
     if len(probed) == 2:
-        r0, r1 = remat[b0], remat[b1]
+        (b0, r0), (b1, r1) = sorted(remat.items())
         for b in sizes:
             w = (b - b0) / (b1 - b0)
             remat[b] = {p: tuple(x + w * (y - x) for x, y in zip(r0[p], r1[p])) for p in r0}
     return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
                       {job: prof for job, (prof, _) in runs.items()}, {b: remat[b] for b in sizes})
-
-
-def probe_jobs(problem: Problem, sizes, policies=("full",), every_size: bool = False) -> list[tuple[ProbeKind, int]]:
-    """The probes ``calibrate`` compiles, ``(kind, batch size)``: every kind of
-    :func:`probe_kinds`, the remat probes and LAST at the largest size; REPLICATE and the remat
-    probes at the smallest too (``every_size``: all but LAST)."""
-    b0, b1 = min(sizes), max(sizes)
-    kinds, remats = probe_kinds(problem), remat_kinds(problem, policies)
-    jobs = [] if b0 == b1 else [(kind, b0) for kind in (kinds if every_size else [ProbeKind.REPLICATE]) + remats]
-    jobs += [(kind, b1) for kind in kinds + remats]
-    return jobs + ([(ProbeKind.LAST, b1)] if last_probe(problem) else [])
 
 
 class _Sized:

@@ -59,7 +59,6 @@ class PlanOptions:
     unit_remat: str = "full"  # the remat policy units run under
     compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
     microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
-    probe_every_size: bool = False  # every probe kind at the smallest batch size too (5-6 more compiles)
     has_aux: bool = False  # loss_fn returns (loss, aux), as make_train_step(has_aux=True) takes it
     rng: bool = False  # loss_fn takes rng=, as make_train_step(rng=True) gives it
     state: object = None  # mutable collections (arrays or ShapeDtypeStructs): loss_fn takes state= and
@@ -93,9 +92,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         ``microbatches`` (e.g. ``(1, 2, 4, 8)``: each global batch size is also tried as m
         microbatches with gradient accumulation, ``Plan.microbatches``, and each parameter's
         gradient summed whole or in its shard across them, ``ParamPlan.accumulate``; the default
-        ``(1,)`` does not accumulate), ``probe_every_size`` (True: every probe kind compiled at
-        the smallest batch size too, not only the all-replicated one, and the terms fitted there;
-        ``osdp_jax.planning.calibrate``), and ``has_aux``, ``rng`` and ``state`` (the mutable
+        ``(1,)`` does not accumulate), and ``has_aux``, ``rng`` and ``state`` (the mutable
         collections, e.g. ``{"batch_stats": ...}``): the loss function as ``make_train_step``
         takes it with those flags (``osdp_jax._loss.PlainLoss``: the probes see zeros of the
         state's shapes and a fixed key, and only the loss).
@@ -243,8 +240,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
                          for b, x in batches.items()}
     else:
         probe_batches = batches
-    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies,
-                            o.probe_every_size)
+    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies)
                   if o.loss_fn is not None else uncalibrated(batches))
     problem = problem.with_accumulation() if m > 1 else problem  # where each gradient is summed, searched too
     t0 = time.perf_counter()

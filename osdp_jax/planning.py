@@ -6,10 +6,10 @@ instead of compiling (tests, offline what-ifs); :class:`XlaCalibrator` compiles,
 ``record=`` writes the figures for the former.
 """
 from ._calibration import (Calibrator, ProbeKind, RecordedCalibrator, XlaCalibrator, calibrate, clear_probe_cache,
-                           compile_threads, probe_jobs)
+                           compile_threads)
 from ._planner import PlanOptions
 from ._problem import Problem, build_problem
 from .runtime.step import clear_compiled
 
 __all__ = ["Calibrator", "PlanOptions", "ProbeKind", "Problem", "RecordedCalibrator", "XlaCalibrator", "clear_probe_cache",
-           "build_problem", "calibrate", "clear_compiled", "compile_threads", "probe_jobs"]
+           "build_problem", "calibrate", "clear_compiled", "compile_threads"]
