@@ -6,6 +6,7 @@ Each stage is its own module: ``_problem`` (the choice columns and what applies 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -24,14 +25,14 @@ from ._layout import check_dtype, whole_spec
 from ._loss import PlainLoss
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
-from ._search import InfeasibleBudgetError, Solution, least_memory, solve_pools
+from ._search import InfeasibleBudgetError, Solution, least_memory, pareto_front
 from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
 from ._strategies import (DEFAULT_SPLITS, GATHERED, accumulation, axes_size, check_microbatches, check_splits,
                           check_strategies, data_axes)
 from ._units import format_bytes, parse_bytes
 from ._verify import Superseded, verify
-from .runtime.step import compile_count, compile_seconds, profile_step
+from .runtime.step import PROBE_TOLERANCE, compile_count, compile_seconds, profile_checked, profile_step
 
 log = logging.getLogger("osdp_jax")
 
@@ -294,8 +295,12 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     # nothing will run it: compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU
     # within 1 KiB of temp of the default compile), not the optimised executable
     figures_only = "probe" if o.verify == "figures" else False
-    peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
-                                              figures_only=figures_only).peak_bytes)
+    if figures_only:
+        peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
+                                                  figures_only=figures_only).peak_bytes)
+    else:  # checked as a probe first: a plan over the budget is not compiled in full
+        peak_of = verified(lambda p: profile_checked(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
+                                                     lambda f: f.peak_bytes <= budget + PROBE_TOLERANCE).peak_bytes)
 
     def run(tables, first, known, overlap, unit_scale=scale, floor=None):
         return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
@@ -439,12 +444,29 @@ def _candidate(size, sol, tables):
     return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
 
 
+_FRONTS: "collections.OrderedDict" = collections.OrderedDict()  # id(tables) -> (tables, Front): the last few
+_KEEP_FRONTS = 16
+
+
+def _solve(t, budget: float):
+    """``solve_pools`` on the tables ``t``, from the Pareto front kept for them when it was built
+    for as much memory or more (a re-plan under a lowered budget searches no further)."""
+    kept = _FRONTS.get(id(t))
+    if kept is None or kept[0] is not t or kept[1].budget < budget:
+        kept = (t, pareto_front(t.time, t.mem, t.pools, budget))
+        _FRONTS[id(t)] = kept
+        while len(_FRONTS) > _KEEP_FRONTS:
+            _FRONTS.popitem(last=False)
+    _FRONTS.move_to_end(id(t))
+    return kept[1].best(budget)
+
+
 def _search(tables_for: dict, limit: float):
     """The best candidate over every batch size under ``limit`` bytes, and the least any needs."""
     best, min_needed = None, math.inf
     for size, t in tables_for.items():
         try:
-            found = _candidate(size, solve_pools(t.time, t.mem, t.pools, limit - t.base_mem), t)
+            found = _candidate(size, _solve(t, limit - t.base_mem), t)
         except InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_bytes + t.base_mem)
             continue

@@ -168,8 +168,46 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     ``pools[i, c, k]`` is the transient bytes that item i adds to pool k under choice c; the peak
     is ``sum_i mem[i, c_i] + max_k sum_i pools[i, c_i, k]``, so the budget holds exactly when, for
     every pool k, ``sum_i (mem + pools[..., k]) <= budget``: a K-resource knapsack, solved on the
-    Pareto set of (time, resource_1..K) with identical items grouped.
+    Pareto set of (time, resource_1..K) with identical items grouped (:func:`pareto_front`).
     """
+    return pareto_front(time_cost, mem_cost, pools, budget).best(budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class Front:
+    """The Pareto set of whole assignments within ``budget``: no point is beaten by another in
+    time and every resource. It holds the optimum for ``budget`` and for any smaller one (a
+    point that fits less is dominated only by points that fit it too), so a search repeated under
+    a lowered budget (``_verify``) is a filter of it, not a new search."""
+
+    budget: float
+    time: np.ndarray  # (F,) seconds of each point
+    res: np.ndarray  # (F, K) bytes of each point per pool
+    stages: list  # per group of identical items: (items, cols, counts, previous point, counts row)
+    costs: tuple  # (time_cost, mem_cost, pools, res per item and choice, ok)
+
+    def best(self, budget: float) -> Solution:
+        """The fastest point within ``budget`` (at most the front's), as a :class:`Solution`."""
+        if budget > self.budget:
+            raise ValueError(f"this front holds the plans within {self.budget:.6g}, not {budget:.6g}")
+        time_cost, mem_cost, pools, res, ok = self.costs
+        cap = budget + abs(budget) * 1e-12
+        fits = np.flatnonzero((self.res <= cap).all(axis=1))
+        if not len(fits):
+            raise _infeasible(budget, _min_peak(res, ok))
+        point = int(fits[np.argmin(self.time[fits])])
+        n = time_cost.shape[0]
+        choices = np.zeros(n, dtype=np.int64)
+        for items, cols, counts, fi, gi in reversed(self.stages):
+            choices[items] = np.repeat(cols, counts[gi[point]])
+            point = fi[point]
+        idx = np.arange(n)
+        peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
+        return Solution(choices, float(time_cost[idx, choices].sum()), peak)
+
+
+def pareto_front(time_cost, mem_cost, pools, budget: float) -> Front:
+    """The :class:`Front` of :func:`solve_pools`' problem within ``budget``."""
     time_cost = np.asarray(time_cost, dtype=np.float64)
     mem_cost = np.asarray(mem_cost, dtype=np.float64)
     pools = np.asarray(pools, dtype=np.float64)
@@ -210,14 +248,7 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
         fi, gi = np.divmod(keep, len(g_time))
         stages.append((items, cols, counts, fi, gi))
         f_time, f_res = all_time[keep], all_res[keep]
-    point = int(np.argmin(f_time))
-    choices = np.zeros(n, dtype=np.int64)
-    for items, cols, counts, fi, gi in reversed(stages):
-        choices[items] = np.repeat(cols, counts[gi[point]])
-        point = fi[point]
-    idx = np.arange(n)
-    peak = float(mem_cost[idx, choices].sum() + pools[idx, choices].sum(axis=0).max())
-    return Solution(choices, float(time_cost[idx, choices].sum()), peak)
+    return Front(float(budget), f_time, f_res, stages, (time_cost, mem_cost, pools, res, ok))
 
 
 def _chunks(items: list[int], choices: int) -> list[list[int]]:

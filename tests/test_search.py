@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from osdp_jax._search import solve_pools
+from osdp_jax._search import pareto_front, solve_pools
 from osdp_jax.search import InfeasibleBudgetError, solve
 
 # The per-layer tables published with the original OSDP implementation (a copy is in tests/data).
@@ -140,3 +140,29 @@ def test_pool_solver_equals_brute_force(seed):
             continue
         assert expected is not None and sol.time == pytest.approx(expected, rel=1e-12)
         assert sol.mem <= budget + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_front_built_for_a_budget_answers_every_smaller_one(seed):
+    """``pareto_front`` at one budget: its best plan under each smaller budget is brute force's
+    optimum there (what a re-plan under a lowered budget asks); a larger one is refused."""
+    rng = np.random.default_rng(200 + seed)
+    for trial in range(60):
+        n, c, k = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 4), rng.integers(1, 4)))
+        t, m, pools = rng.random((n, c)), rng.random((n, c)), rng.random((n, c, k))
+        if trial % 3 == 0:
+            t[:], m[:], pools[:] = t[0], m[0], pools[0]
+        budget = float((m.max(axis=1) + pools.max(axis=(1, 2))).sum())  # every plan fits it
+        front = pareto_front(t, m, pools, budget)
+        for limit in np.linspace(0, budget, 7):
+            # the search's own tolerance: 1e-12 of the budget (the last limit is a sum's rounding)
+            expected, min_peak = brute_force_pools(t, m, pools, limit * (1 + 1e-12))
+            try:
+                sol = front.best(limit)
+            except InfeasibleBudgetError as err:
+                assert expected is None and err.min_bytes == pytest.approx(min_peak, rel=1e-12)
+                continue
+            assert expected is not None and sol.time == pytest.approx(expected, rel=1e-12)
+            assert sol.mem <= limit * (1 + 1e-12)
+        with pytest.raises(ValueError, match="holds the plans within"):
+            front.best(2 * budget)

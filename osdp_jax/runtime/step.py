@@ -640,15 +640,17 @@ def compile_step(loss_fn, optimizer, params, batch, mesh, plan, **options):
 # A step compiled only for XLA's figures: buffer assignment (the memory figures) and the cost
 # analysis run on the optimised HLO, before the backend's LLVM passes, which this option turns off
 # (a compile then takes about half the time on XLA:CPU; tests/test_plan.py checks the figures are
-# equal). The planner verifies a plan it will not run (``verify="figures"``) this way.
+# equal). Probes and the planner's figures-only checks (below) compile with it.
 FIGURES_ONLY = {"xla_backend_optimization_level": 0}
 # A probe goes further on XLA:CPU: its kernels are emitted by the older loop emitters
 # (``xla_cpu_use_fusion_emitters`` off), which halves a probe's compile on the layer-stack models
 # (the new emitters' MLIR pipeline is most of a figures-only compile there). XLA then fuses some
 # elementwise ops differently, so the figures are not the default compile's to the byte: measured
 # within 1 KiB of temp on every model tried (tests/test_plan.py bounds it); FLOPs differ by under
-# 0.1%. Probes are fitted terms, and the chosen plan is verified with the default emitters.
+# 0.1%. Probes are fitted terms; the chosen plan is checked as a probe, then verified on its
+# default compile (:func:`profile_checked`), or on the probe compile alone when it will not be run.
 PROBE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False}
+PROBE_TOLERANCE = 1024  # bytes: a probe compile's peak may be this far under the default compile's
 
 
 def _options(purpose: str, mesh) -> dict | None:
@@ -754,6 +756,30 @@ def compile_many(steps, threads: int):
             before = _union(spans)
             spans.append((start, end))
             yield i, _finish(pending, compiled, _union(spans) - before)  # wall seconds, not thread seconds
+
+
+def profile_checked(loss_fn, optimizer, params, batch, mesh, plan, fits, **options) -> StepProfile:
+    """XLA's figures for the step under ``plan``, as :func:`profile_step` gives them for a step
+    compiled to run, at less cost when it does not fit: traced once, compiled first as a probe is
+    (:data:`PROBE_ONLY_CPU`, a quarter of a full compile on XLA:CPU), and only when
+    ``fits(figures)`` compiled in full (kept for :func:`make_train_step`), whose figures are
+    returned. A plan the verification rejects costs one probe compile, not a full one."""
+    pending = _prepare(loss_fn, optimizer, params, batch, mesh, plan, False, options)
+    if pending.compiled is not None:
+        return profile_compiled(*_finish(pending))
+    probe = _Pending((pending.key, "probe") if pending.key is not None else None, _FIGURES, pending.lowered,
+                     _options("probe", mesh), pending.missing_flops,
+                     _FIGURES.get((pending.key, "probe")) if pending.key is not None else None)
+    if probe.compiled is None:
+        compiled, start, end = _compile(probe)
+        _finish(probe, compiled, end - start)
+    else:
+        _finish(probe)
+    quick = profile_compiled(probe.compiled, probe.missing_flops)
+    if not fits(quick):
+        return quick
+    compiled, start, end = _compile(pending)
+    return profile_compiled(*_finish(pending, compiled, end - start))
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool | str = False,
