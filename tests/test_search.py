@@ -118,19 +118,25 @@ def brute_force_pools(t, m, pools, budget):
     return best, min_peak
 
 
+def random_pool_instance(rng, trial):
+    """Item times, memory and K pools: identical items every third trial, missing choices every fourth."""
+    n, c, k = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 4), rng.integers(1, 4)))
+    t, m, pools = rng.random((n, c)), rng.random((n, c)), rng.random((n, c, k))
+    if trial % 3 == 0:
+        t[:], m[:], pools[:] = t[0], m[0], pools[0]
+    if trial % 4 == 0:
+        t[rng.random((n, c)) < 0.3] = np.inf
+        t[:, 0] = np.where(np.isinf(t[:, 0]), 1.0, t[:, 0])
+    return t, m, pools
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_pool_solver_equals_brute_force(seed):
     """The planner's search: peak = sum mem + max over pools, exact against enumeration."""
     rng = np.random.default_rng(100 + seed)
     for trial in range(80):
-        n, c, k = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 4), rng.integers(1, 4)))
-        t, m, pools = rng.random((n, c)), rng.random((n, c)), rng.random((n, c, k))
-        if trial % 3 == 0:
-            t[:], m[:], pools[:] = t[0], m[0], pools[0]
-        if trial % 4 == 0:
-            t[rng.random((n, c)) < 0.3] = np.inf
-            t[:, 0] = np.where(np.isinf(t[:, 0]), 1.0, t[:, 0])
-        budget = float(rng.random() * n * 1.5)
+        t, m, pools = random_pool_instance(rng, trial)
+        budget = float(rng.random() * len(t) * 1.5)
         expected, min_peak = brute_force_pools(t, m, pools, budget)
         try:
             sol = solve_pools(t, m, pools, budget)
@@ -148,10 +154,7 @@ def test_a_front_built_for_a_budget_answers_every_smaller_one(seed):
     optimum there (what a re-plan under a lowered budget asks); a larger one is refused."""
     rng = np.random.default_rng(200 + seed)
     for trial in range(60):
-        n, c, k = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 4), rng.integers(1, 4)))
-        t, m, pools = rng.random((n, c)), rng.random((n, c)), rng.random((n, c, k))
-        if trial % 3 == 0:
-            t[:], m[:], pools[:] = t[0], m[0], pools[0]
+        t, m, pools = random_pool_instance(rng, trial)
         budget = float((m.max(axis=1) + pools.max(axis=(1, 2))).sum())  # every plan fits it
         front = pareto_front(t, m, pools, budget)
         for limit in np.linspace(0, budget, 7):
