@@ -298,9 +298,15 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     if figures_only:
         peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
                                                   figures_only=figures_only).peak_bytes)
-    else:  # checked as a probe first: a plan over the budget is not compiled in full
-        peak_of = verified(lambda p: profile_checked(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
-                                                     lambda f: f.peak_bytes <= budget + PROBE_TOLERANCE).peak_bytes)
+    else:
+        def peak_of_plan(p):
+            args = (o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
+            if p.predicted_peak_bytes <= CHECK_ABOVE * budget:  # a miss would be a model error over 10%
+                return profile_step(*args).peak_bytes
+            # near the budget, checked as a probe first: a plan over it is not compiled in full
+            return profile_checked(*args, lambda f: f.peak_bytes <= budget + PROBE_TOLERANCE).peak_bytes
+
+        peak_of = verified(peak_of_plan)
 
     def run(tables, first, known, overlap, unit_scale=scale, floor=None):
         return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
@@ -353,6 +359,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
 
 REFIT = 0.05  # a compiled plan predicted further than this from XLA's peak refits the pool overlap or the unit scale
+CHECK_ABOVE = 0.9  # a plan predicted above this share of the budget is compiled as a probe before in full
 
 
 def _overlap_key(calibrator, problem: Problem, batches: dict):

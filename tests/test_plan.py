@@ -256,6 +256,30 @@ def test_a_plan_checked_over_the_budget_is_not_compiled_in_full(mesh):
     assert st.compile_count() == n + 2  # a step compiled in full before: its figures, no compile
 
 
+def test_only_a_plan_predicted_near_its_budget_is_checked_as_a_probe_first(mesh, monkeypatch):
+    """A plan predicted above ``CHECK_ABOVE`` of its budget is compiled as a probe, then in full
+    (two compiles); one predicted below it in full at once (one compile): a miss there would be a
+    model error over 10%. Either way the same plan, XLA peak, and executable for training."""
+    from experiments.benchmarks import foreign
+    from osdp_jax import _planner
+    from osdp_jax.runtime.step import clear_compiled
+    params, loss_fn, batch = foreign.plain_mlp()
+    opt = optax.adam(1e-3)
+    peaks = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
+             for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
+    kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    plans = {}
+    for above in (0.0, 10.0):  # every plan near its budget; none
+        monkeypatch.setattr(_planner, "CHECK_ABOVE", above)
+        clear_compiled()
+        osdp_jax.planning.clear_probe_cache()
+        osdp_jax.plan(params, mesh, **kw)  # the probes, cached
+        clear_compiled()
+        plans[above] = osdp_jax.plan(params, mesh, **kw)
+    assert plans[0.0].compiles == 2 and plans[10.0].compiles == 1
+    assert plans[0.0].layout == plans[10.0].layout and plans[0.0].xla_peak_bytes == plans[10.0].xla_peak_bytes
+
+
 def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(mesh):
     """A step compiled without the backend's LLVM optimisation (``FIGURES_ONLY``): XLA's memory
     figures and cost analysis are the same as a fully optimised compile's, on a layer stack with
