@@ -761,7 +761,7 @@ def compile_many(steps, threads: int):
 def profile_checked(loss_fn, optimizer, params, batch, mesh, plan, fits, **options) -> StepProfile:
     """XLA's figures for the step under ``plan``, as :func:`profile_step` gives them for a step
     compiled to run, at less cost when it does not fit: traced once, compiled first as a probe is
-    (:data:`PROBE_ONLY_CPU`, a quarter of a full compile on XLA:CPU), and only when
+    (:data:`PROBE_ONLY_CPU`, a quarter to a half of a full compile on XLA:CPU), and only when
     ``fits(figures)`` compiled in full (kept for :func:`make_train_step`), whose figures are
     returned. A plan the verification rejects costs one probe compile, not a full one."""
     pending = _prepare(loss_fn, optimizer, params, batch, mesh, plan, False, options)
