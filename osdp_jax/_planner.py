@@ -6,7 +6,6 @@ Each stage is its own module: ``_problem`` (the choice columns and what applies 
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
@@ -270,7 +269,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
     scale = UNIT_SCALES.get(overlap_key, 1.0) if overlap_key is not None else 1.0
     tables = tables_for(fitted or 0.0, scale)
-    best, min_needed = _search(tables, budget)
+    fronts: dict = {}  # the searches' Pareto fronts, for the re-plans under lowered budgets
+    best, min_needed = _search(tables, budget, fronts)
     seconds = time.perf_counter() - t0
     # compiled layouts with their XLA peaks (a probe of one microbatch is not the accumulated step)
     known = _known(problem, calibrated.probes, tables) if m == 1 else []
@@ -309,7 +309,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         peak_of = verified(peak_of_plan)
 
     def run(tables, first, known, overlap, unit_scale=scale, floor=None):
-        return verify(first, budget, lambda limit: _search(tables, limit)[0], lambda: _least_memory(tables),
+        return verify(first, budget, lambda limit: _search(tables, limit, fronts)[0], lambda: _least_memory(tables),
                       functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor)
 
     def replan(tables, overlap, unit_scale=scale):
@@ -318,7 +318,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         _, size, sol, _, _, _ = compiled["candidate"]
         xla = compiled["peak"]
         first = (_costed(size, sol.choices, tables[size]), xla, overlap, unit_scale)
-        second = _search(tables, budget)[0]
+        second = _search(tables, budget, fronts)[0]
         if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
             return build(*first)
         other = run(tables, second, _known(problem, calibrated.probes, tables) if m == 1 else [], overlap, unit_scale)
@@ -451,29 +451,23 @@ def _candidate(size, sol, tables):
     return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
 
 
-_FRONTS: "collections.OrderedDict" = collections.OrderedDict()  # id(tables) -> (tables, Front): the last few
-_KEEP_FRONTS = 16
-
-
-def _solve(t, budget: float):
-    """``solve_pools`` on the tables ``t``, from the Pareto front kept for them when it was built
-    for as much memory or more (a re-plan under a lowered budget searches no further)."""
-    kept = _FRONTS.get(id(t))
+def _solve(t, budget: float, fronts: dict):
+    """``solve_pools`` on the tables ``t``, from the Pareto front in ``fronts`` (one planning's,
+    ``id(tables) -> (tables, Front)``) when it was built for them for as much memory or more: a
+    re-plan under a lowered budget searches no further."""
+    kept = fronts.get(id(t))
     if kept is None or kept[0] is not t or kept[1].budget < budget:
-        kept = (t, pareto_front(t.time, t.mem, t.pools, budget))
-        _FRONTS[id(t)] = kept
-        while len(_FRONTS) > _KEEP_FRONTS:
-            _FRONTS.popitem(last=False)
-    _FRONTS.move_to_end(id(t))
+        kept = fronts[id(t)] = (t, pareto_front(t.time, t.mem, t.pools, budget))
     return kept[1].best(budget)
 
 
-def _search(tables_for: dict, limit: float):
-    """The best candidate over every batch size under ``limit`` bytes, and the least any needs."""
+def _search(tables_for: dict, limit: float, fronts: dict):
+    """The best candidate over every batch size under ``limit`` bytes, and the least any needs;
+    ``fronts`` keeps the Pareto fronts searched (:func:`_solve`)."""
     best, min_needed = None, math.inf
     for size, t in tables_for.items():
         try:
-            found = _candidate(size, _solve(t, limit - t.base_mem), t)
+            found = _candidate(size, _solve(t, limit - t.base_mem, fronts), t)
         except InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_bytes + t.base_mem)
             continue

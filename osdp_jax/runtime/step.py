@@ -684,10 +684,16 @@ def _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only: bool |
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
     kept, compiled = _COMPILED, _COMPILED.get(key) if key is not None else None  # a runnable one serves all
     if compiled is None and purpose != "run":
-        kept, key = _FIGURES, None if key is None else (key, purpose)
-        compiled = kept.get(key) if key is not None else None
+        kept, (key, compiled) = _FIGURES, _kept_figures(key, purpose)
     lowered = traced.lower() if compiled is None else None
     return _Pending(key, kept, lowered, _options(purpose, mesh), loop_flops(traced.jaxpr), compiled)
+
+
+def _kept_figures(key, purpose: str) -> tuple:
+    """The key a step compiled for its figures as ``purpose`` is kept under in ``_FIGURES``, and
+    that step if it is kept (None, None for a step that cannot be keyed)."""
+    key = None if key is None else (key, purpose)
+    return key, _FIGURES.get(key) if key is not None else None
 
 
 def _compile(pending: _Pending) -> tuple[object, float, float]:
@@ -723,7 +729,11 @@ def compile_counted(loss_fn, optimizer, params, batch, mesh, plan, *, figures_on
     same trace. ``figures_only``: compiled for its figures alone (:data:`FIGURES_ONLY`; ``"probe"``:
     and :data:`PROBE_ONLY_CPU`), not to be run, so not kept for :func:`make_train_step` to reuse;
     a kept runnable step is used if there is one."""
-    pending = _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only, options)
+    return _compiled(_prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only, options))
+
+
+def _compiled(pending: _Pending):
+    """:func:`_finish` of the pending step, compiled here unless it was kept."""
     if pending.compiled is not None:
         return _finish(pending)
     compiled, start, end = _compile(pending)
@@ -767,19 +777,10 @@ def profile_checked(loss_fn, optimizer, params, batch, mesh, plan, fits, **optio
     pending = _prepare(loss_fn, optimizer, params, batch, mesh, plan, False, options)
     if pending.compiled is not None:
         return profile_compiled(*_finish(pending))
-    probe = _Pending((pending.key, "probe") if pending.key is not None else None, _FIGURES, pending.lowered,
-                     _options("probe", mesh), pending.missing_flops,
-                     _FIGURES.get((pending.key, "probe")) if pending.key is not None else None)
-    if probe.compiled is None:
-        compiled, start, end = _compile(probe)
-        _finish(probe, compiled, end - start)
-    else:
-        _finish(probe)
-    quick = profile_compiled(probe.compiled, probe.missing_flops)
-    if not fits(quick):
-        return quick
-    compiled, start, end = _compile(pending)
-    return profile_compiled(*_finish(pending, compiled, end - start))
+    key, kept = _kept_figures(pending.key, "probe")
+    quick = profile_compiled(*_compiled(_Pending(key, _FIGURES, pending.lowered, _options("probe", mesh),
+                                                 pending.missing_flops, kept)))
+    return profile_compiled(*_compiled(pending)) if fits(quick) else quick
 
 
 def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only: bool | str = False,
