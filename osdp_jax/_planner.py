@@ -309,7 +309,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         peak_of = verified(peak_of_plan)
 
     def run(tables, first, known, overlap, unit_scale=scale, floor=None):
-        return verify(first, budget, lambda limit: _search(tables, limit, fronts)[0], lambda: _least_memory(tables),
+        return verify(first, budget, lambda limit, lessons: _search(tables, limit, fronts, lessons)[0],
+                      lambda: _least_memory(tables),
                       functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor)
 
     def replan(tables, overlap, unit_scale=scale):
@@ -451,23 +452,36 @@ def _candidate(size, sol, tables):
     return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
 
 
-def _solve(t, budget: float, fronts: dict):
+def _solve(t, budget: float, fronts: dict, extra=None):
     """``solve_pools`` on the tables ``t``, from the Pareto front in ``fronts`` (one planning's,
     ``id(tables) -> (tables, Front)``) when it was built for them for as much memory or more: a
-    re-plan under a lowered budget searches no further."""
+    re-plan under a lowered budget searches no further. With ``extra`` (bytes per item and
+    choice, the verification's lessons): the optimum of ``t`` with ``extra`` added to its memory,
+    as ``(tables so, solution)``, searched no slower than the fastest point of ``t``'s front
+    that fits with it (``Front.first_within``, the time bound of ``pareto_front``)."""
     kept = fronts.get(id(t))
     if kept is None or kept[0] is not t or kept[1].budget < budget:
         kept = fronts[id(t)] = (t, pareto_front(t.time, t.mem, t.pools, budget))
-    return kept[1].best(budget)
+    if extra is None:
+        return t, kept[1].best(budget)
+    taught = dataclasses.replace(t, mem=t.mem + extra)
+    bound = kept[1].first_within(budget, extra)
+    return taught, pareto_front(taught.time, taught.mem, taught.pools, budget,
+                                math.inf if bound is None else bound.time).best(budget)
 
 
-def _search(tables_for: dict, limit: float, fronts: dict):
+def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
     """The best candidate over every batch size under ``limit`` bytes, and the least any needs;
-    ``fronts`` keeps the Pareto fronts searched (:func:`_solve`)."""
+    ``fronts`` keeps the Pareto fronts searched (:func:`_solve`); each ``_verify.Lesson`` adds
+    its penalty to the memory of its batch size's choices."""
     best, min_needed = None, math.inf
     for size, t in tables_for.items():
+        extra = None
+        for lesson in (x for x in lessons if x.size == size):
+            extra = lesson.penalty(t.mem.shape) + (0.0 if extra is None else extra)
         try:
-            found = _candidate(size, _solve(t, limit - t.base_mem, fronts), t)
+            searched, sol = _solve(t, limit - t.base_mem, fronts, extra)
+            found = _candidate(size, sol, searched)
         except InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_bytes + t.base_mem)
             continue

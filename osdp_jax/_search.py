@@ -190,12 +190,32 @@ class Front:
         """The fastest point within ``budget`` (at most the front's), as a :class:`Solution`."""
         if budget > self.budget:
             raise ValueError(f"this front holds the plans within {self.budget:.6g}, not {budget:.6g}")
-        time_cost, mem_cost, pools, res, ok = self.costs
+        _, _, _, res, ok = self.costs
         cap = budget + abs(budget) * 1e-12
         fits = np.flatnonzero((self.res <= cap).all(axis=1))
         if not len(fits):
             raise _infeasible(budget, _min_peak(res, ok))
-        point = int(fits[np.argmin(self.time[fits])])
+        return self._solution(int(fits[np.argmin(self.time[fits])]))
+
+    def first_within(self, budget: float, extra_mem) -> Solution | None:
+        """The fastest point whose peak fits ``budget`` once ``extra_mem[i, c]`` (bytes, >= 0) is
+        added to each item's choice, with its peak so; None if none does. A feasible plan of the
+        problem with ``mem_cost + extra_mem``, not always its optimum (that may be a point this
+        front dropped): :func:`pareto_front`'s ``time_bound`` from it makes that search short."""
+        _, _, _, res, _ = self.costs
+        cap = budget + abs(budget) * 1e-12
+        extra_mem = np.asarray(extra_mem, dtype=np.float64)
+        idx = np.arange(res.shape[0])
+        fits = np.flatnonzero((self.res <= cap).all(axis=1))
+        for point in fits[np.argsort(self.time[fits], kind="stable")]:
+            sol = self._solution(int(point))
+            extra = float(extra_mem[idx, sol.choices].sum())
+            if sol.mem + extra <= cap:
+                return dataclasses.replace(sol, mem=sol.mem + extra)
+        return None
+
+    def _solution(self, point: int) -> Solution:
+        time_cost, mem_cost, pools, _, _ = self.costs
         n = time_cost.shape[0]
         choices = np.zeros(n, dtype=np.int64)
         for items, cols, counts, fi, gi in reversed(self.stages):
@@ -206,8 +226,11 @@ class Front:
         return Solution(choices, float(time_cost[idx, choices].sum()), peak)
 
 
-def pareto_front(time_cost, mem_cost, pools, budget: float) -> Front:
-    """The :class:`Front` of :func:`solve_pools`' problem within ``budget``."""
+def pareto_front(time_cost, mem_cost, pools, budget: float, time_bound: float = math.inf) -> Front:
+    """The :class:`Front` of :func:`solve_pools`' problem within ``budget``; with ``time_bound``
+    (seconds, the time of a plan known to fit), only of the plans no slower than it: a partial
+    assignment is dropped once its time plus the least time of the items left exceeds the bound,
+    which keeps the search exact for the optimum and makes it short when the bound is close."""
     time_cost = np.asarray(time_cost, dtype=np.float64)
     mem_cost = np.asarray(mem_cost, dtype=np.float64)
     pools = np.asarray(pools, dtype=np.float64)
@@ -229,19 +252,28 @@ def pareto_front(time_cost, mem_cost, pools, budget: float) -> Front:
     groups = {(key, j): part for key, items in groups.items()
               for j, part in enumerate(_chunks(items, int(ok[items[0]].sum())))}
     remaining = need.copy()
+    fastest = np.where(ok, time_cost, np.inf).min(axis=1)  # (n,) the least time of each item
+    time_left = fastest.sum()
+    # sums taken in another order differ in the last bits: the bound's own plan is never dropped
+    slack = 1e-9 * (abs(time_bound) + np.abs(np.where(ok, time_cost, 0.0)).max(axis=1).sum()) + 1e-12
     f_time, f_res = np.zeros(1), np.zeros((1, k))
     stages = []  # per group: (items, cols, counts, index of the previous point, index into counts)
     for items in groups.values():
         i0 = items[0]
         cols = np.flatnonzero(ok[i0])
         remaining -= floor[i0] * len(items)
+        time_left -= fastest[i0] * len(items)
         counts = _compositions(len(items), len(cols))
         g_time = counts @ time_cost[i0, cols]
         g_res = counts @ res[i0, cols]
         keep = _dominance_prune(g_time, g_res, cap - remaining - f_res.min(axis=0))
+        if math.isfinite(time_bound):
+            keep = keep[g_time[keep] + f_time.min() + time_left <= time_bound + slack]
         g_time, g_res, counts = g_time[keep], g_res[keep], counts[keep]
         all_time = (f_time[:, None] + g_time[None, :]).ravel()
         all_res = (f_res[:, None, :] + g_res[None, :, :]).reshape(-1, k)
+        if math.isfinite(time_bound):  # beyond the bound: as if over the budget
+            all_res[all_time + time_left > time_bound + slack] = np.inf
         keep = _dominance_prune(all_time, all_res, cap - remaining)
         if not len(keep):
             raise _infeasible(budget, _min_peak(res, ok))

@@ -1,12 +1,23 @@
 """Verification: compile the chosen plan and check XLA's per-device peak against the budget.
 
-If XLA needs more than the cost model predicted, the search runs again with the budget lowered by
-the model's largest error so far (at most ``MAX_TRIES`` times); then the plan that needs the
-least memory (``_search.least_memory``) is tried. If even that does not fit, its XLA peak is the
-smallest budget to report.
+If XLA needs more than the cost model predicted, the search runs again (at most ``MAX_TRIES``
+times), under a budget lowered by the model's error, and with what the misses taught it:
+
+- a miss with no earlier attempt at its batch size to compare with lowers the budget by its error
+  e (bytes), as an error shared by every plan;
+- a later miss of error e_b, compared with the earlier attempt a of the same batch size that
+  differs from it in the fewest items D (error e_a < e_b, as it was searched under
+  budget - e_a), is put down to what changed: for each item in D, every choice but a's costs
+  e_b - e_a bytes more in the next searches (a lesson, :class:`Lesson`), and the budget stays
+  lowered by e_a. So a plan whose one changed layer (a split LM head, ``per_step_split.md``) XLA
+  needs 1 GiB more for is not paid for by lowering the whole budget by 1 GiB.
+
+Then the plan that needs the least memory (``_search.least_memory``) is tried. If even that does
+not fit, its XLA peak is the smallest budget to report.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -25,9 +36,40 @@ class Superseded(Exception):
     ``floor`` (another run's plan, ``_planner._fastest``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Lesson:
+    """What a missed plan taught: at batch size ``size``, moving any item of ``items`` off its
+    choice in ``choices`` (the earlier attempt's) costs ``excess`` bytes more than the model said."""
+
+    size: object
+    items: np.ndarray  # indices of the items that changed
+    choices: np.ndarray  # the earlier attempt's choice of every item
+    excess: float  # bytes
+
+    def penalty(self, shape) -> np.ndarray:
+        """``(n_items, n_choices)`` bytes to add to the memory table at ``size``."""
+        out = np.zeros(shape)
+        out[self.items] = self.excess
+        out[self.items, self.choices[self.items]] = 0.0
+        return out
+
+
 def _same(a, b) -> bool:
     """Two candidates of the same batch size and choices."""
     return a[1] == b[1] and np.array_equal(a[2].choices, b[2].choices)
+
+
+def _lesson(missed, error: float, attempts: list) -> Lesson | None:
+    """The lesson of ``missed`` (XLA ``error`` bytes over its prediction) against the earlier
+    attempt of its batch size with the fewest changed items; None when there is none."""
+    same = [(c, e) for c, e in attempts if c[1] == missed[1] and len(c[2].choices) == len(missed[2].choices)]
+    if not same:
+        return None
+    ref, ref_error = min(same, key=lambda ce: int((ce[0][2].choices != missed[2].choices).sum()))
+    changed = np.flatnonzero(ref[2].choices != missed[2].choices)
+    if not len(changed) or error <= ref_error:
+        return None
+    return Lesson(missed[1], changed, np.asarray(ref[2].choices), float(error - ref_error))
 
 
 def verify(first, budget: int, search: Callable, least_memory: Callable, build: Callable,
@@ -38,7 +80,8 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
       first: the search's choice (a candidate, as ``search`` returns it), or None when the cost
         model found none.
       budget: bytes per device.
-      search: ``search(limit) -> candidate | None``, the best candidate under a lowered limit.
+      search: ``search(limit, lessons) -> candidate | None``, the best candidate under a lowered
+        limit, each :class:`Lesson`'s penalty added to the memory of its batch size's choices.
       least_memory: ``() -> candidate``, the candidate with the smallest predicted peak.
       build: ``build(candidate, xla_peak=None) -> Plan``.
       xla_peak: ``xla_peak(plan) -> bytes``, compiling the plan's step.
@@ -55,19 +98,27 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
       InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured
         (the least-memory plan's or a probe's).
     """
-    best, error = first, 0.0
+    best, margin, attempts, lessons = first, 0.0, [], []
     for attempt in range(MAX_TRIES if first is not None else 0):
         plan = build(best)
         measured = next((peak for c, peak in known if _same(c, best)), None)  # a probe's layout: compiled
         measured = xla_peak(plan) if measured is None else measured
         if measured <= budget:
             return build(best, measured)
-        error = max(error, measured - plan.predicted_peak_bytes)
-        log.info("plan attempt %d: XLA peak %s (predicted %s) over budget %s; re-planning", attempt + 1,
-                 format_bytes(measured), format_bytes(plan.predicted_peak_bytes), format_bytes(budget))
-        best = search(budget - error)
+        error = measured - plan.predicted_peak_bytes
+        lesson = _lesson(best, error, attempts)
+        if lesson is None:
+            margin = max(margin, error)
+        else:
+            lessons.append(lesson)
+        attempts.append((best, error))
+        log.info("plan attempt %d: XLA peak %s (predicted %s) over budget %s; re-planning%s", attempt + 1,
+                 format_bytes(measured), format_bytes(plan.predicted_peak_bytes), format_bytes(budget),
+                 "" if lesson is None else f" with its {len(lesson.items)} changed item(s) charged "
+                 f"{format_bytes(lesson.excess)} more")
+        best = search(budget - margin, tuple(lessons))
         if floor is not None and (best is None or best[0] < floor):
-            raise Superseded(f"re-planning under {format_bytes(budget - error)} is predicted slower than {floor:.4g}")
+            raise Superseded(f"re-planning under {format_bytes(budget - margin)} is predicted slower than {floor:.4g}")
         if best is None:
             break
     fits = [(c, peak) for c, peak in known if peak <= budget]

@@ -1,10 +1,12 @@
 """The planner's stages on their own, without compiling: the problem (columns, availability),
 decisions from recorded probe figures (``RecordedCalibrator``), and the verification loop."""
 import dataclasses
+import math
 import pathlib
 import re
 
 import jax
+import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -12,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import osdp_jax
 import toy
 from osdp_jax.planning import PlanOptions, ProbeKind, RecordedCalibrator, build_problem
+from osdp_jax._search import Solution
 from osdp_jax._verify import verify
 
 RECORDED = pathlib.Path(__file__).parent / "data" / "toy_probes.json"  # tests/data/make_recorded_probes.py
@@ -95,29 +98,103 @@ class _Candidate:
     predicted_peak_bytes: float
 
 
+def _cand(name: str, speed: float = 1.0, choices=(0, 0, 0), size: int = 8):
+    """A search candidate as ``verify`` sees one: (samples/s, batch size, solution, name)."""
+    return (speed, size, Solution(np.array(choices), 0.0, 0.0), name)
+
+
 def test_verification_replans_then_tries_least_memory_then_reports_xla():
     plans = {"a": 100.0, "b": 90.0, "least": 80.0}
-    build = lambda c, xla_peak=None: dataclasses.replace(c, predicted_peak_bytes=plans[c.name]) \
-        if xla_peak is None else (c.name, xla_peak)  # noqa: E731
+    build = lambda c, xla_peak=None: _Candidate(c[3], plans[c[3]]) if xla_peak is None else (c[3], xla_peak)  # noqa: E731
     limits = []
 
-    def search(limit):
+    def search(limit, lessons):
         limits.append(limit)
-        return _Candidate("b", 90.0)
+        return _cand("b", choices=(0, 1, 0))
 
     xla = {"a": 120, "b": 95, "least": 85}
     peak = lambda p: xla[p.name]  # noqa: E731
+    least = lambda: _cand("least", choices=(1, 1, 1))  # noqa: E731
     # a is 20 over its prediction: search again 20 below the budget; b then fits
-    assert verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak) == ("b", 95)
+    assert verify(_cand("a"), 100, search, least, build, peak) == ("b", 95)
     assert limits == [80.0]
     # nothing fits: the least-memory plan's XLA peak is the minimum reported
     xla.update(b=150, least=101)
     with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
-        verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak)
+        verify(_cand("a"), 100, search, least, build, peak)
     assert info.value.min_bytes == 101
     # the least-memory plan fits when the others did not
     xla.update(least=99)
-    assert verify(_Candidate("a", 100.0), 100, search, lambda: _Candidate("least", 80.0), build, peak) == ("least", 99)
+    assert verify(_cand("a"), 100, search, least, build, peak) == ("least", 99)
+
+
+def test_a_miss_is_put_down_to_the_items_that_changed():
+    """The first miss lowers the budget by its error; a later miss at the same batch size is
+    charged to the items it changed from the closest earlier attempt (a ``Lesson``: their other
+    choices cost its extra error more), not to the whole budget."""
+    from osdp_jax._verify import Lesson
+    predicted = {"a": 100.0, "b": 98.0, "c": 97.0}
+    build = lambda c, xla_peak=None: _Candidate(c[3], predicted[c[3]]) if xla_peak is None else (c[3], xla_peak)  # noqa: E731
+    xla = {"a": 102, "b": 130, "c": 99}
+    calls = []
+
+    def search(limit, lessons):
+        calls.append((limit, lessons))
+        return _cand("b", choices=(0, 2, 0)) if not lessons else _cand("c", choices=(1, 0, 0))
+
+    got = verify(_cand("a", choices=(0, 0, 0)), 100, search, lambda: _cand("least"), build, lambda p: xla[p.name])
+    assert got == ("c", 99)
+    assert [limit for limit, _ in calls] == [98.0, 98.0]  # b's miss lowered nothing more: it taught
+    assert calls[0][1] == ()
+    (lesson,), = [lessons for _, lessons in calls[1:]]
+    assert lesson.size == 8 and lesson.items.tolist() == [1] and lesson.excess == 30.0  # 32 over, less a's 2
+    assert lesson.choices.tolist() == [0, 0, 0]
+    assert lesson.penalty((3, 3)).tolist() == [[0, 0, 0], [0, 30, 30], [0, 0, 0]]  # item 1 off a's choice
+    # at another batch size there is nothing to compare with: the budget is lowered as before
+    calls.clear()
+    search_other = lambda limit, lessons: calls.append((limit, lessons)) or _cand("c", size=16)  # noqa: E731
+    verify(_cand("b", choices=(0, 2, 0), size=16), 100, search_other, lambda: _cand("least"), build,
+           lambda p: xla[p.name])
+    assert calls == [(68.0, ())]
+    assert isinstance(lesson, Lesson)
+
+
+def test_a_planned_miss_is_charged_to_what_it_changed(mesh, recorded, monkeypatch):
+    """plan() end to end on recorded probes, with a fake XLA: every plan needs ``small`` over its
+    prediction (the first misses by 0.5% of the budget), and a plan that moves any parameter the
+    first re-plan moved costs a tenth of the budget more. The third attempt keeps those
+    parameters as the first plan had them and fits under the budget less ``small``, not the budget
+    less the tenth; three compiles."""
+    import types
+    from osdp_jax import _planner
+    params = toy.plain_params()
+    kw = {**{k: v for k, v in recorded.items() if k != "batch_sizes"}, "batch_sizes": (64,)}
+    ddp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("replicate",), **kw)
+    fsdp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",), **kw)
+    mid = osdp_jax.plan(params, mesh, budget=int((ddp.predicted_peak_bytes + fsdp.predicted_peak_bytes) / 2), **kw)
+    budget = math.ceil(mid.predicted_peak_bytes)  # where the first plan just fits, as the search leaves it
+    first = osdp_jax.plan(params, mesh, budget=budget, **kw)
+    small = budget - first.predicted_peak_bytes + 0.005 * budget  # the first plan misses by 0.5%
+    second = osdp_jax.plan(params, mesh, budget=budget - small, **kw)  # verify's first re-plan
+    layout = lambda p: {x.path: (x.strategy, x.split) for x in p.params}  # noqa: E731
+    moved = {k for k, v in layout(second).items() if layout(first)[k] != v}
+    assert moved  # the toy has a re-plan that changes something
+    peaks = []
+
+    def fake_xla(loss_fn, optimizer, abstract, batch, mesh_, p, *rest, **kws):
+        extra = budget / 10 if any(layout(p)[k] != layout(first)[k] for k in moved) else 0.0
+        peaks.append(p.predicted_peak_bytes + small + extra)
+        return types.SimpleNamespace(peak_bytes=peaks[-1])
+
+    monkeypatch.setattr(_planner, "profile_step", fake_xla)
+    monkeypatch.setattr(_planner, "profile_checked", fake_xla)
+    got = osdp_jax.plan(params, mesh, budget=budget, **{**kw, "verify": True})
+    assert len(peaks) == 3 and peaks[-1] <= budget < min(peaks[:2])
+    assert got.xla_peak_bytes == peaks[-1]
+    assert all(layout(got)[k] == layout(first)[k] for k in moved)
+    # lowering the whole budget by the largest error (as before lessons) finds a slower plan
+    lowered = osdp_jax.plan(params, mesh, budget=budget - budget / 10 - small, **kw)
+    assert got.predicted_samples_per_second > lowered.predicted_samples_per_second
 
 
 def test_verification_takes_a_compiled_layout_known_to_fit():
@@ -129,10 +206,10 @@ def test_verification_takes_a_compiled_layout_known_to_fit():
     peaks = {"first": 120, "least": 110}
     peak = lambda p: peaks[p.name]  # noqa: E731
     known = [(probe_fast, 100), (probe_small, 95)]
-    got = verify(first, 100, lambda limit: None, lambda: least, build, peak, known)
+    got = verify(first, 100, lambda limit, lessons: None, lambda: least, build, peak, known)
     assert got == ("probe-fast", 100)  # the faster of the two known to fit
     with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
-        verify(first, 90, lambda limit: None, lambda: least, build, peak, known)
+        verify(first, 90, lambda limit, lessons: None, lambda: least, build, peak, known)
     assert info.value.min_bytes == 95  # a probe's peak, below the least-memory candidate's 110
 
 
@@ -144,7 +221,7 @@ def test_a_missed_plan_yields_to_a_faster_next_run():
     from osdp_jax._verify import Superseded
     build = lambda c, xla_peak=None: (c[1], xla_peak) if xla_peak is not None else _Candidate(c[1], 90.0)  # noqa: E731
     peaks = {"a": 120, "b": 99}
-    search = {70.0: (5.0, "b")}.get  # the re-plan after a's 30-byte miss: 5 samples/s
+    search = lambda limit, lessons: {70.0: (5.0, "b")}.get(limit)  # noqa: E731 - the re-plan after a's 30-byte miss
     with pytest.raises(Superseded):
         verify((9.0, "a"), 100, search, lambda: (1.0, "least"), build, lambda p: peaks[p.name], floor=6.0)
     assert verify((9.0, "a"), 100, search, lambda: (1.0, "least"), build, lambda p: peaks[p.name],

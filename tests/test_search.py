@@ -169,3 +169,33 @@ def test_a_front_built_for_a_budget_answers_every_smaller_one(seed):
             assert sol.mem <= limit * (1 + 1e-12)
         with pytest.raises(ValueError, match="holds the plans within"):
             front.best(2 * budget)
+
+
+def test_a_time_bound_keeps_the_optimum_and_a_front_walk_finds_a_plan_that_fits():
+    """``pareto_front(time_bound=)`` from any plan that fits gives the same optimum as the
+    unbounded search; ``Front.first_within`` (memory added per choice) returns a plan that fits
+    with it, never faster than the optimum of the problem with that memory, and never slower than
+    the bounded front's best."""
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(60):
+        t, m, pools = random_pool_instance(rng, trial)
+        extra = rng.random(m.shape) * (rng.random(m.shape) < 0.3)
+        low = m.min(axis=1).sum() + pools.min(axis=1).sum(axis=0).max()
+        high = m.max(axis=1).sum() + pools.max(axis=1).sum(axis=0).max()
+        budget = low + (high - low) * rng.uniform(0.3, 0.9)
+        try:
+            exact = solve_pools(t, m + extra, pools, budget)
+        except InfeasibleBudgetError:
+            continue
+        walked = pareto_front(t, m, pools, budget).first_within(budget, extra)
+        if walked is not None:
+            idx = np.arange(len(walked.choices))
+            peak = (m + extra)[idx, walked.choices].sum() + pools[idx, walked.choices].sum(axis=0).max()
+            assert peak <= budget + 1e-9 and walked.mem == pytest.approx(peak)
+            assert walked.time >= exact.time - 1e-12
+        bound = walked.time if walked is not None else exact.time
+        bounded = pareto_front(t, m + extra, pools, budget, time_bound=bound).best(budget)
+        assert bounded.time == pytest.approx(exact.time, abs=1e-12)
+        checked += 1
+    assert checked >= 40  # the budgets are feasible often enough for this to test something
