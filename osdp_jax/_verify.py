@@ -6,10 +6,11 @@ times), under a budget lowered by the model's error, and with what the misses ta
 - a miss with no earlier attempt at its batch size to compare with lowers the budget by its error
   e (bytes), as an error shared by every plan;
 - a later miss of error e_b, compared with the earlier attempt a of the same batch size that
-  differs from it in the fewest items D (error e_a < e_b, as it was searched under
-  budget - e_a), is put down to what changed: for each item in D, every choice but a's costs
-  e_b - e_a bytes more in the next searches (a lesson, :class:`Lesson`), and the budget stays
-  lowered by e_a. So a plan whose one changed layer (a split LM head, ``per_step_split.md``) XLA
+  differs from it in the fewest items D, is put down to what changed when e_b is over twice
+  e_a (or e_a <= 0 < e_b); otherwise it lowers the budget too, as a shared error (a wrong pool
+  overlap misses every mixed plan by a like share, and ``_planner`` refits it afterwards). Put
+  down to what changed: for each item in D, every choice but a's costs e_b - e_a bytes more in
+  the next searches (a lesson, :class:`Lesson`), and the budget stays lowered by e_a. So a plan whose one changed layer (a split LM head, ``per_step_split.md``) XLA
   needs 1 GiB more for is not paid for by lowering the whole budget by 1 GiB.
 
 Then the plan that needs the least memory (``_search.least_memory``) is tried. If even that does
@@ -67,8 +68,8 @@ def _lesson(missed, error: float, attempts: list) -> Lesson | None:
         return None
     ref, ref_error = min(same, key=lambda ce: int((ce[0][2].choices != missed[2].choices).sum()))
     changed = np.flatnonzero(ref[2].choices != missed[2].choices)
-    if not len(changed) or error <= ref_error:
-        return None
+    if not len(changed) or error <= max(ref_error, 2 * ref_error):
+        return None  # an error like the earlier one's: one every plan shares (a pool overlap off)
     return Lesson(missed[1], changed, np.asarray(ref[2].choices), float(error - ref_error))
 
 

@@ -157,6 +157,12 @@ def test_a_miss_is_put_down_to_the_items_that_changed():
            lambda p: xla[p.name])
     assert calls == [(68.0, ())]
     assert isinstance(lesson, Lesson)
+    # a later miss under twice the earlier error is one every plan shares: the budget is lowered
+    calls.clear()
+    xla.update(a=120, b=125, least=99)  # errors 20 and 27
+    predicted["least"] = 80.0
+    verify(_cand("a", choices=(0, 0, 0)), 100, search, lambda: _cand("least"), build, lambda p: xla[p.name])
+    assert calls[:2] == [(80.0, ()), (73.0, ())]
 
 
 def test_a_planned_miss_is_charged_to_what_it_changed(mesh, recorded, monkeypatch):
