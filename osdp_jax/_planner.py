@@ -329,12 +329,12 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     _, size, sol, _, _, _ = compiled["candidate"]
     # judged by the model alone: a verification's lessons (charges on the layers a miss changed)
     # are in the plan's prediction, and would hide an error every plan shares
-    model = _predicted(_costed(size, sol.choices, tables[size]))
-    off = abs(model - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
+    modelled = _costed(size, sol.choices, tables[size])
+    off = abs(_predicted(modelled) - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
     if fitted is not None and not off:
         return plan  # fitted on an earlier plan of this model, and it holds for this one
     # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
-    plain = _costed(size, sol.choices, (tables_for(0.0, scale, [size]) if fitted else tables)[size])
+    plain = _costed(size, sol.choices, tables_for(0.0, scale, [size])[size]) if fitted else modelled
     overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
     if overlap is not None and overlap != fitted:
         if overlap_key is not None:

@@ -150,13 +150,13 @@ def test_a_miss_is_put_down_to_the_items_that_changed():
     assert lesson.size == 8 and lesson.items.tolist() == [1] and lesson.excess == 30.0  # 32 over, less a's 2
     assert lesson.choices.tolist() == [0, 0, 0]
     assert lesson.penalty((3, 3)).tolist() == [[0, 0, 0], [0, 30, 30], [0, 0, 0]]  # item 1 off a's choice
+    assert isinstance(lesson, Lesson)
     # at another batch size there is nothing to compare with: the budget is lowered as before
     calls.clear()
     search_other = lambda limit, lessons: calls.append((limit, lessons)) or _cand("c", size=16)  # noqa: E731
     verify(_cand("b", choices=(0, 2, 0), size=16), 100, search_other, lambda: _cand("least"), build,
            lambda p: xla[p.name])
     assert calls == [(68.0, ())]
-    assert isinstance(lesson, Lesson)
     # a later miss under twice the earlier error is one every plan shares: the budget is lowered
     calls.clear()
     xla.update(a=120, b=125, least=99)  # errors 20 and 27
