@@ -114,9 +114,11 @@ class XlaCalibrator:
 
     ``device_bytes``: a timed probe runs only if it fits the devices' memory. ``record``: a path
     to write every probe's figures to, as JSON that :class:`RecordedCalibrator` reads. ``cache``:
-    keep every probe's figures in this process, keyed by the loss function object, the optimizer,
-    the parameters' paths, shapes and dtypes, the probe's layout, the batch's shapes and the mesh,
-    so planning again (another budget, ``compare``) compiles no probe twice; ``cached`` counts the
+    keep every probe's figures in this process, keyed by the loss (its fingerprint,
+    ``Problem.fingerprint``: what it traces to, so a loss written again as a new function finds
+    the old one's probes; the function object when the problem has none), the optimizer, the
+    parameters' paths, shapes and dtypes, the probe's layout, the batch's shapes and the mesh, so
+    planning again (another budget, ``compare``) compiles no probe twice; ``cached`` counts the
     probes found there. The optimizer is keyed by its state's structure, shapes and dtypes (two
     instances of ``optax.adam`` share figures; a learning rate changes no figure).
     """
@@ -134,12 +136,12 @@ class XlaCalibrator:
     threads: int | None = None  # compile threads (None: the CPUs, at most MAX_THREADS; timed probes: 1)
     _recorded: dict = dataclasses.field(default_factory=dict)
 
-    def _key(self, layout, batch, timed):
+    def _key(self, layout, batch, timed, fingerprint: str = ""):
         params = tuple((i.path, i.shape, str(i.dtype)) for i in describe(self.params))
         state = jax.eval_shape(self.optimizer.init, self.params)
         optimizer = (str(jax.tree.structure(state)), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state)))
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
-        key = (self.loss_fn, optimizer, params, layout, str(jax.tree.structure(batch)), shapes, self.mesh,
+        key = (fingerprint or self.loss_fn, optimizer, params, layout, str(jax.tree.structure(batch)), shapes, self.mesh,
                bool(timed))
         try:
             hash(key)
@@ -159,7 +161,7 @@ class XlaCalibrator:
         for i, (kind, batch, splits, timed) in enumerate(requests):
             layout = problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
                                     lambda x: kind.zero2(x, problem))
-            key = self._key(layout, batch, timed) if self.cache else None
+            key = self._key(layout, batch, timed, problem.fingerprint) if self.cache else None
             if key is not None and key in _PROBES:
                 self.cached += 1
                 yield i, self._done(kind, batch, key, *_PROBES[key])

@@ -5,12 +5,23 @@ parameters each ``osdp_jax.layers.scan`` call runs are noted as one stack (gathe
 inside the loop), and every 2-D kernel that reaches a dense layer (``osdp_jax.split.dense``, or
 an intercepted Flax ``Dense``/``nnx.Linear``) as a dense kernel; every call that could be a unit
 (``osdp_jax.units``) with the parameters it holds. Nothing is compiled or allocated.
+
+The same trace gives the loss a *fingerprint* (:func:`fingerprint`): a digest of its jaxpr's text
+(every equation, with its shapes and literal values), its constants' shapes and dtypes (and the
+values of those up to :data:`CONST_BYTES`), where its custom differentiation rules are defined
+(the text names them only), the structure of what it returns, and what discovery found. Two loss functions with
+the same fingerprint compile to the same probe steps, so the planner keys its probe cache by it,
+not by the function object: a loss written again as a new ``lambda`` (a notebook cell run again,
+a loop over budgets) finds the probes compiled for the old one.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple
 
 import jax
+import numpy as np
+from jax.extend import core as jcore
 
 from ._describe import strip_boxes
 from .runtime.context import StepContext, active
@@ -24,6 +35,41 @@ class Found(NamedTuple):
     stacks: tuple  # per layers.scan call, the paths of its parameters
     units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
     saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
+    fingerprint: str = ""  # the loss's (:func:`fingerprint`)
+
+
+CONST_BYTES = 1 << 20  # constants up to this size are fingerprinted by value too; larger ones by shape
+
+
+def fingerprint(closed_jaxpr, *found) -> str:
+    """A hex digest of the traced loss ``closed_jaxpr`` and of ``found``, the structure of what it
+    returns and what discovery found in it: equal for two functions that trace to the same
+    equations on the same shapes and return the same structure (constants larger than
+    :data:`CONST_BYTES` are compared by shape and dtype only: XLA's memory and FLOP figures do not
+    depend on their values)."""
+    h = hashlib.sha256(str(closed_jaxpr.jaxpr).encode())
+    for c in closed_jaxpr.consts:
+        shape, dtype = np.shape(c), c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype
+        h.update(f"|{shape}{dtype}".encode())
+        if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.size(c) * dtype.itemsize <= CONST_BYTES:
+            h.update(np.ascontiguousarray(np.asarray(c)).tobytes())
+    for rule in _rules(closed_jaxpr.jaxpr):
+        h.update(f"|{rule}".encode())
+    h.update(repr(found).encode())
+    return h.hexdigest()
+
+
+def _rules(jaxpr):
+    """Where the functions an equation carries besides its jaxprs come from (a ``custom_vjp``'s
+    forward and backward rules, a ``custom_jvp``'s rule: the text names them only), in order,
+    through every nested jaxpr."""
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for x in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(x, (jcore.Jaxpr, jcore.ClosedJaxpr)):
+                    yield from _rules(x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x)
+                elif (info := getattr(x, "debug_info", None)) is not None:
+                    yield getattr(info, "func_src_info", None)
 
 
 def find(loss_fn, params, batch) -> Found:
@@ -36,11 +82,14 @@ def find(loss_fn, params, batch) -> Found:
             return loss_fn(p, b)
 
     with active(ctx):
-        # a fresh function each time: eval_shape caches traces by function, and a cached trace
-        # would not call the hooks again
-        jax.eval_shape(traced, params, batch)
+        # a fresh function each time: tracing caches by function, and a cached trace would not
+        # call the hooks again
+        closed, out = jax.make_jaxpr(traced, return_shape=True)(params, batch)
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
-    return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved))
+    found = (sorted(ctx.recorded_loop), sorted(ctx.recorded_split), stacks, tuple(ctx.recorded_units),
+             sorted(ctx.recorded_saved.items(), key=repr))
+    return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved),
+                 fingerprint(closed, jax.tree.structure(out), *found))
 
 
 def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:

@@ -5,7 +5,8 @@
 ``(loss, new_state)`` / ``(loss, (aux, new_state))`` is seen through :class:`PlainLoss`: the key
 and the state are zeros of their shapes (the figures do not depend on their values), and only
 the loss is kept. It is hashable by the function, the flags and the state's structure, shapes
-and dtypes, so planning again with the same loss finds its probes in the process's cache.
+and dtypes, so the steps compiled for it are kept for the next plan (the probes are kept by what
+the loss traces to, ``_discover.fingerprint``).
 """
 from __future__ import annotations
 

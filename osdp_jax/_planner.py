@@ -367,12 +367,12 @@ CHECK_ABOVE = 0.9  # a plan predicted above this share of the budget is compiled
 
 
 def _overlap_key(calibrator, problem: Problem, batches: dict):
-    """What a fitted pool overlap is kept under: the all-replicate probe's key (the loss function,
+    """What a fitted pool overlap is kept under: the all-replicate probe's key (the loss's fingerprint,
     optimizer, parameters, batch shapes and mesh) with the units; None for recorded probes."""
     key = getattr(calibrator, "_key", None)
     if key is None or not getattr(calibrator, "cache", False):
         return None
-    probe = key(problem.layout(), batches[min(batches)], False)
+    probe = key(problem.layout(), batches[min(batches)], False, problem.fingerprint)
     return None if probe is None else (probe, tuple(sorted(problem.units.items())))
 
 

@@ -46,6 +46,7 @@ class Problem:
     compute_dtype: str = ""  # sharded parameters gathered in this dtype ("": their own)
     last_unit: str = ""  # the unit the forward pass calls last (its backward pass runs first)
     unit_saved: dict = dataclasses.field(default_factory=dict)  # unit -> activation bytes its calls save
+    fingerprint: str = ""  # the loss's, as traced at the smallest batch size (``_discover.fingerprint``)
 
     def gather_ratio(self) -> np.ndarray:
         """Per parameter, bytes gathered per byte stored: itemsize(compute_dtype) / its itemsize
@@ -183,7 +184,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     under zero3) is replicated, the one layout that always applies.
     """
     infos = tuple(describe(params))
-    in_loop, dense, splittable, stacks, unit_of, last_unit, saved = frozenset(), frozenset(), frozenset(), (), {}, "", {}
+    in_loop, dense, splittable, stacks, unit_of, last_unit, saved, fingerprint = frozenset(), frozenset(), frozenset(), (), {}, "", {}, ""
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         shapes = {i.path: i.shape for i in infos}
@@ -197,6 +198,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         chosen = set(unit_of.values())
         last_unit = next((name for _, name, _ in reversed(found.units) if name in chosen), "")
         saved = {u: found.saved.get(u) for u in chosen}
+        fingerprint = found.fingerprint
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
@@ -205,7 +207,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
                       in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),
-                      last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype)
+                      last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint)
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     options = []
     for i in infos:

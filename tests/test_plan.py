@@ -351,3 +351,43 @@ def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
     assert quick.layout == full.layout and quick.xla_peak_bytes == full.xla_peak_bytes
     with pytest.raises(ValueError, match="verify must be True"):
         osdp_jax.plan(params, mesh, verify="yes", **kw)
+
+
+def test_a_loss_written_again_finds_its_probes(mesh):
+    """The probe cache is keyed by what the loss traces to (``Problem.fingerprint``), not by the
+    function object: planning again with the same loss written as a new ``lambda`` compiles no
+    probe; a loss that computes something else does. Fingerprints: equal for equal traces;
+    different for another literal, another small constant's value, another batch shape, another
+    output structure or a custom rule defined elsewhere; equal
+    for a large constant of another value (XLA's figures depend on its shape only)."""
+    from osdp_jax._discover import CONST_BYTES, find
+    params, tokens = toy.plain_params(), toy.tokens(32)
+
+    def fp(loss, batch=tokens):
+        return find(loss, params, batch).fingerprint
+    small, other_small = jnp.arange(4.0), jnp.arange(4.0) + 1
+    big, other_big = jnp.zeros((CONST_BYTES // 4 + 1,)), jnp.ones((CONST_BYTES // 4 + 1,))
+    assert fp(lambda p, b: toy.plain_loss(p, b)) == fp(lambda p, b: toy.plain_loss(p, b))
+    assert fp(lambda p, b: toy.plain_loss(p, b)) != fp(lambda p, b: 2.0 * toy.plain_loss(p, b))
+    assert fp(lambda p, b: toy.plain_loss(p, b)) != fp(toy.plain_loss, toy.tokens(16))
+    assert fp(lambda p, b: toy.plain_loss(p, b)) != fp(lambda p, b: (toy.plain_loss(p, b), {}))  # (no leaf more)
+
+    def custom(bwd):  # two custom_vjp rules of one name, whose backward passes differ
+        @jax.custom_vjp
+        def scaled(x):
+            return x
+        scaled.defvjp(lambda x: (x, None), bwd)
+        return lambda p, b: scaled(toy.plain_loss(p, b))
+    assert fp(custom(lambda _, g: (g,))) == fp(custom(lambda _, g: (g,)))
+    assert fp(custom(lambda _, g: (g,))) != fp(custom(
+        lambda _, g: (g * 2,)))  # a rule is told apart by where it is defined (the source line)
+    assert fp(lambda p, b: toy.plain_loss(p, b) + small.sum()) != fp(lambda p, b: toy.plain_loss(p, b) + other_small.sum())
+    assert fp(lambda p, b: toy.plain_loss(p, b) + big.sum()) == fp(lambda p, b: toy.plain_loss(p, b) + other_big.sum())
+
+    osdp_jax.planning.clear_probe_cache()
+    kw = dict(budget="64GB", batch=tokens, optimizer=optax.adam(1e-3), verify=False)
+    first = osdp_jax.plan(params, mesh, loss_fn=lambda p, b: toy.plain_loss(p, b), **kw)
+    again = osdp_jax.plan(params, mesh, loss_fn=lambda p, b: toy.plain_loss(p, b), **kw)
+    other = osdp_jax.plan(params, mesh, loss_fn=lambda p, b: 2.0 * toy.plain_loss(p, b), **kw)
+    assert first.compiles > 0 and again.compiles == 0 and other.compiles == first.compiles
+    assert again.layout == first.layout
