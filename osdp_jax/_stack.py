@@ -15,9 +15,9 @@ cuts whole arrays as a layout says.
 Remat policies (what a layer's backward pass finds saved, ``jax.checkpoint`` policies):
 
 - ``"full"``: nothing but the layer's input; the forward pass runs again in the backward pass;
-- ``"dots"``: the outputs of matmuls without batch dimensions (the projections), so only the
-  cheap element-wise work and the attention matmuls run again
-  (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``);
+- ``"dots"``: the outputs of matmuls without batch dimensions (the projections) and of split
+  kernels (:data:`SPLIT_NAME`), so only the cheap element-wise work and the attention matmuls
+  run again (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``);
 - ``"none"``: everything except the weights the layer gathered, which are gathered again (a
   gathered weight kept for the backward pass would hold every layer's weights at once).
 """
@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 REMAT_POLICIES = ("full", "dots", "none")
 GATHERED_NAME = "osdp_gathered"  # checkpoint_name of a weight gathered inside a layer
+SPLIT_NAME = "osdp_split"  # checkpoint_name of a split kernel's product (``runtime.kernels.matmul``)
 
 
 def check_remat(policy: str) -> str:
@@ -56,8 +57,8 @@ def remat_policy(policy: str):
     cp = jax.checkpoint_policies
     if policy == "full":
         return cp.nothing_saveable
-    if policy == "dots":
-        return cp.dots_with_no_batch_dims_saveable
+    if policy == "dots":  # a split kernel's product is a sum of matmuls: saved as one matmul's is
+        return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, cp.save_only_these_names(SPLIT_NAME))
     return save_all_but_gathered
 
 
