@@ -7,7 +7,9 @@ times), under a budget lowered by the model's error, and with what the misses ta
   :data:`LIKE` times its error e (bytes), as an error shared by every plan: errors within that
   factor of each other are taken for one (the next plan's error is another draw of it: on
   gpt2_48l_1536 the plans near 11.18 GiB missed by 0.04, then 0.06 GiB; lowered by the error
-  alone, the third attempt missed by 0.02 GiB and verification gave up on a probe's layout);
+  alone, the third attempt missed by 0.02 GiB and verification gave up on a probe's layout).
+  When no plan fits under that, the budget is lowered by e alone (a large error, such as a
+  wrong pool overlap's 7%, doubled can leave nothing but a probe's layout);
 - a later miss of error e_b, compared with the earlier attempt a of the same batch size that
   differs from it in the fewest items D, is put down to what changed when e_b is over
   :data:`LIKE` times e_a (or e_a <= 0 < e_b); otherwise it lowers the budget too, as a shared
@@ -104,7 +106,7 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
       InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured
         (the least-memory plan's or a probe's).
     """
-    best, margin, attempts, lessons = first, 0.0, [], []
+    best, shared, attempts, lessons = first, 0.0, [], []
     for attempt in range(MAX_TRIES if first is not None else 0):
         plan = build(best)
         measured = next((peak for c, peak in known if _same(c, best)), None)  # a probe's layout: compiled
@@ -114,7 +116,7 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         error = measured - plan.predicted_peak_bytes
         lesson = _lesson(best, error, attempts)
         if lesson is None:
-            margin = max(margin, LIKE * error)
+            shared = max(shared, error)
         else:
             lessons.append(lesson)
         attempts.append((best, error))
@@ -122,7 +124,11 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
                  format_bytes(measured), format_bytes(plan.predicted_peak_bytes), format_bytes(budget),
                  "" if lesson is None else f" with its {len(lesson.items)} changed item(s) charged "
                  f"{format_bytes(lesson.excess)} more")
+        margin = LIKE * shared
         best = search(budget - margin, tuple(lessons))
+        if best is None and shared > 0:  # nothing under twice the error: under the error itself
+            margin = shared
+            best = search(budget - margin, tuple(lessons))
         if floor is not None and (best is None or best[0] < floor):
             raise Superseded(f"re-planning under {format_bytes(budget - margin)} is predicted slower than {floor:.4g}")
         if best is None:

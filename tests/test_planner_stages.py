@@ -118,6 +118,11 @@ def test_verification_replans_then_tries_least_memory_then_reports_xla():
     # a is 20 over its prediction: search again twice that below the budget (LIKE); b then fits
     assert verify(_cand("a"), 100, search, least, build, peak) == ("b", 95)
     assert limits == [60.0]
+    # when nothing is found under twice the error, the search is repeated under the error alone
+    limits.clear()
+    only_above_70 = lambda limit, lessons: limits.append(limit) or (_cand("b", choices=(0, 1, 0)) if limit > 70 else None)  # noqa: E731
+    assert verify(_cand("a"), 100, only_above_70, least, build, peak) == ("b", 95)
+    assert limits == [60.0, 80.0]
     # nothing fits: the least-memory plan's XLA peak is the minimum reported
     xla.update(b=150, least=101)
     with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
