@@ -24,7 +24,7 @@ from ._layout import check_dtype, whole_spec
 from ._loss import PlainLoss
 from ._plan import ParamPlan, Plan
 from ._problem import Problem, build_problem
-from ._search import InfeasibleBudgetError, Solution, least_memory, pareto_front
+from ._search import BeyondBound, InfeasibleBudgetError, Solution, fastest_front, least_memory, lower_bound
 from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
 from ._strategies import (DEFAULT_SPLITS, GATHERED, accumulation, axes_size, check_microbatches, check_splits,
@@ -455,40 +455,59 @@ def _candidate(size, sol, tables):
     return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
 
 
-def _solve(t, budget: float, fronts: dict, extra=None):
-    """``solve_pools`` on the tables ``t``, from the Pareto front in ``fronts`` (one planning's,
-    ``id(tables) -> (tables, Front)``) when it was built for them for as much memory or more: a
-    re-plan under a lowered budget searches no further. With ``extra`` (bytes per item and
-    choice, the verification's lessons): the optimum of ``t`` with ``extra`` added to its memory,
-    as ``(tables so, solution)``, searched no slower than the fastest point of ``t``'s front
-    that fits with it (``Front.first_within``, the time bound of ``pareto_front``)."""
+def _solve(t, budget: float, fronts: dict, extra=None, give_up: float = math.inf):
+    """The optimum of the tables ``t`` under ``budget`` bytes, as ``(tables, Solution)``: from the
+    Pareto front in ``fronts`` (one planning's, ``id(tables) -> (tables, Front)``) when one was
+    built for them for as much memory or more and holds a plan within ``budget`` (a re-plan under
+    a lowered budget searches no further), else by ``fastest_front``, kept. With ``extra``
+    (bytes per item and choice, the verification's lessons): the optimum of ``t`` with ``extra``
+    added to its memory, and those tables. ``give_up`` (seconds of the items): no search for
+    plans slower; ``BeyondBound`` when none within ``budget`` is as fast."""
+    if extra is not None:
+        taught = dataclasses.replace(t, mem=t.mem + extra)
+        return taught, fastest_front(taught.time, taught.mem, taught.pools, budget, give_up).best(budget)
     kept = fronts.get(id(t))
-    if kept is None or kept[0] is not t or kept[1].budget < budget:
-        kept = fronts[id(t)] = (t, pareto_front(t.time, t.mem, t.pools, budget))
-    if extra is None:
-        return t, kept[1].best(budget)
-    taught = dataclasses.replace(t, mem=t.mem + extra)
-    bound = kept[1].first_within(budget, extra)
-    return taught, pareto_front(taught.time, taught.mem, taught.pools, budget,
-                                math.inf if bound is None else bound.time).best(budget)
+    if kept is not None and kept[0] is t and kept[1].budget >= budget:
+        try:
+            return t, kept[1].best(budget)
+        except BeyondBound:  # the optimum is slower than that search's bound
+            pass
+    front = fastest_front(t.time, t.mem, t.pools, budget, give_up)
+    fronts[id(t)] = (t, front)
+    return t, front.best(budget)
 
 
 def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
     """The best candidate over every batch size under ``limit`` bytes, and the least any needs;
     ``fronts`` keeps the Pareto fronts searched (:func:`_solve`); each ``_verify.Lesson`` adds
-    its penalty to the memory of its batch size's choices."""
+    its penalty to the memory of its batch size's choices.
+
+    Batch sizes are searched in order of the samples/s their LP bound allows (``lower_bound``),
+    each only for plans faster than the best so far: ``size / sps - base_time`` seconds of its
+    items at most, and not at all when its bound is below the best. The best is the largest
+    samples/s, the smallest batch size of equals, as if each were searched in full."""
     best, min_needed = None, math.inf
+    order = []
     for size, t in tables_for.items():
         extra = None
         for lesson in (x for x in lessons if x.size == size):
             extra = lesson.penalty(t.mem.shape) + (0.0 if extra is None else extra)
+        mem = t.mem if extra is None else t.mem + extra
+        least = lower_bound(t.time, mem, t.pools, limit - t.base_mem)
+        order.append((-_candidate(size, Solution(np.zeros(0, np.int64), least, 0.0), t)[0], len(order), size, t, extra))
+    for _, _, size, t, extra in sorted(order, key=lambda x: x[:2]):
+        give_up = math.inf
+        if best is not None and size is not None and best[5]:
+            give_up = size / best[5] - t.base_time
         try:
-            searched, sol = _solve(t, limit - t.base_mem, fronts, extra)
-            found = _candidate(size, sol, searched)
+            searched, sol = _solve(t, limit - t.base_mem, fronts, extra, give_up)
         except InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_bytes + t.base_mem)
             continue
-        if best is None or found[0] > best[0]:
+        except BeyondBound:  # no plan at this size is as fast as the best
+            continue
+        found = _candidate(size, sol, searched)
+        if best is None or (found[0], -(size or 0)) > (best[0], -(best[1] or 0)):
             best = found
     return best, min_needed
 

@@ -43,6 +43,11 @@ def _infeasible(budget: float, min_needed: float) -> InfeasibleBudgetError:
                                  f"is {min_needed:.6g}", min_bytes=float(min_needed))
 
 
+class BeyondBound(LookupError):
+    """A bounded :class:`Front` holds no plan within the budget asked: the optimum, if any, is
+    slower than its bound; search again with a higher one (:func:`fastest_front`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Solution:
     """The optimum: ``choices[i]`` is item i's column; ``time`` and ``mem`` (peak, with transient)."""
@@ -170,7 +175,7 @@ def solve_pools(time_cost, mem_cost, pools, budget: float) -> Solution:
     every pool k, ``sum_i (mem + pools[..., k]) <= budget``: a K-resource knapsack, solved on the
     Pareto set of (time, resource_1..K) with identical items grouped (:func:`pareto_front`).
     """
-    return pareto_front(time_cost, mem_cost, pools, budget).best(budget)
+    return fastest_front(time_cost, mem_cost, pools, budget).best(budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +190,7 @@ class Front:
     res: np.ndarray  # (F, K) bytes of each point per pool
     stages: list  # per group of identical items: (items, cols, counts, previous point, counts row)
     costs: tuple  # (time_cost, mem_cost, pools, res per item and choice, ok)
+    bound: float = math.inf  # seconds: only the plans no slower are held (pareto_front's time_bound)
 
     def best(self, budget: float) -> Solution:
         """The fastest point within ``budget`` (at most the front's), as a :class:`Solution`."""
@@ -193,26 +199,12 @@ class Front:
         _, _, _, res, ok = self.costs
         cap = budget + abs(budget) * 1e-12
         fits = np.flatnonzero((self.res <= cap).all(axis=1))
+        if not len(fits) and math.isfinite(self.bound):
+            raise BeyondBound(f"no plan within {budget:.6g} is as fast as this front's bound, "
+                              f"{self.bound:.6g} s")
         if not len(fits):
             raise _infeasible(budget, _min_peak(res, ok))
         return self._solution(int(fits[np.argmin(self.time[fits])]))
-
-    def first_within(self, budget: float, extra_mem) -> Solution | None:
-        """The fastest point whose peak fits ``budget`` once ``extra_mem[i, c]`` (bytes, >= 0) is
-        added to each item's choice, with its peak so; None if none does. A feasible plan of the
-        problem with ``mem_cost + extra_mem``, not always its optimum (that may be a point this
-        front dropped): :func:`pareto_front`'s ``time_bound`` from it makes that search short."""
-        _, _, _, res, _ = self.costs
-        cap = budget + abs(budget) * 1e-12
-        extra_mem = np.asarray(extra_mem, dtype=np.float64)
-        idx = np.arange(res.shape[0])
-        fits = np.flatnonzero((self.res <= cap).all(axis=1))
-        for point in fits[np.argsort(self.time[fits], kind="stable")]:
-            sol = self._solution(int(point))
-            extra = float(extra_mem[idx, sol.choices].sum())
-            if sol.mem + extra <= cap:
-                return dataclasses.replace(sol, mem=sol.mem + extra)
-        return None
 
     def _solution(self, point: int) -> Solution:
         time_cost, mem_cost, pools, _, _ = self.costs
@@ -252,35 +244,130 @@ def pareto_front(time_cost, mem_cost, pools, budget: float, time_bound: float = 
     groups = {(key, j): part for key, items in groups.items()
               for j, part in enumerate(_chunks(items, int(ok[items[0]].sum())))}
     remaining = need.copy()
-    fastest = np.where(ok, time_cost, np.inf).min(axis=1)  # (n,) the least time of each item
-    time_left = fastest.sum()
+    bounded = math.isfinite(time_bound)
+    if bounded:
+        least_from = _hull_bounds(time_cost, res, ok, list(groups.values()))
     # sums taken in another order differ in the last bits: the bound's own plan is never dropped
     slack = 1e-9 * (abs(time_bound) + np.abs(np.where(ok, time_cost, 0.0)).max(axis=1).sum()) + 1e-12
     f_time, f_res = np.zeros(1), np.zeros((1, k))
     stages = []  # per group: (items, cols, counts, index of the previous point, index into counts)
-    for items in groups.values():
+    for stage, items in enumerate(groups.values()):
         i0 = items[0]
         cols = np.flatnonzero(ok[i0])
         remaining -= floor[i0] * len(items)
-        time_left -= fastest[i0] * len(items)
         counts = _compositions(len(items), len(cols))
         g_time = counts @ time_cost[i0, cols]
         g_res = counts @ res[i0, cols]
         keep = _dominance_prune(g_time, g_res, cap - remaining - f_res.min(axis=0))
-        if math.isfinite(time_bound):
-            keep = keep[g_time[keep] + f_time.min() + time_left <= time_bound + slack]
+        if bounded:
+            least = least_from[stage + 1](cap - f_res.min(axis=0) - g_res[keep])
+            keep = keep[g_time[keep] + f_time.min() + least <= time_bound + slack]
         g_time, g_res, counts = g_time[keep], g_res[keep], counts[keep]
         all_time = (f_time[:, None] + g_time[None, :]).ravel()
         all_res = (f_res[:, None, :] + g_res[None, :, :]).reshape(-1, k)
-        if math.isfinite(time_bound):  # beyond the bound: as if over the budget
-            all_res[all_time + time_left > time_bound + slack] = np.inf
+        if bounded:  # no completion within the bound: as if over the budget
+            all_res[all_time + least_from[stage + 1](cap - all_res) > time_bound + slack] = np.inf
         keep = _dominance_prune(all_time, all_res, cap - remaining)
-        if not len(keep):
+        if not len(keep) and not bounded:
             raise _infeasible(budget, _min_peak(res, ok))
         fi, gi = np.divmod(keep, len(g_time))
         stages.append((items, cols, counts, fi, gi))
         f_time, f_res = all_time[keep], all_res[keep]
-    return Front(float(budget), f_time, f_res, stages, (time_cost, mem_cost, pools, res, ok))
+        if not len(keep):  # nothing within the bound
+            break
+    return Front(float(budget), f_time, f_res, stages, (time_cost, mem_cost, pools, res, ok), float(time_bound))
+
+
+def lower_bound(time_cost, mem_cost, pools, budget: float) -> float:
+    """A lower bound on the optimum's seconds under ``budget``: the LP relaxation of each
+    resource's knapsack (``_hull_bounds``); ``inf`` when even that fits no plan, ``-inf``
+    for no items."""
+    time_cost = np.asarray(time_cost, dtype=np.float64)
+    res = np.asarray(mem_cost, dtype=np.float64)[:, :, None] + np.asarray(pools, dtype=np.float64)
+    ok = np.isfinite(time_cost) & np.isfinite(res).all(axis=2)
+    if not time_cost.shape[0] or not ok.any(axis=1).all():
+        return -math.inf if not time_cost.shape[0] else math.inf
+    least = _hull_bounds(time_cost, res, ok, [[i] for i in range(time_cost.shape[0])], first_only=True)[0]
+    return float(least(np.full(res.shape[2], budget + abs(budget) * 1e-12)))
+
+
+def fastest_front(time_cost, mem_cost, pools, budget: float, give_up: float = math.inf,
+                  steps=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)) -> Front:
+    """:func:`pareto_front` under time bounds raised from the LP bound of the whole problem until
+    a front holds a plan within ``budget``: the optimum, exactly (a bounded front holds every
+    plan no slower than its bound). A bound below the optimum leaves nothing, quickly, since
+    every partial plan is cut by the hull bound of the items after it; the bounds tried are
+    ``lb + step * scale`` seconds for ``steps``, ``scale = max(|lb|, 1e-3 * spread)`` (``spread``,
+    the sum of each item's slowest less fastest seconds), then none. ``give_up`` (seconds): the
+    last bound, no search beyond it (an empty front when no plan within ``budget`` is as fast).
+
+    Raises:
+      InfeasibleBudgetError: when no assignment fits (an unbounded search found none).
+    """
+    lb = lower_bound(time_cost, mem_cost, pools, budget)
+    if math.isfinite(lb):
+        t = np.asarray(time_cost, dtype=np.float64)
+        t = np.where(np.isfinite(t), t, np.nan)
+        scale = max(abs(lb), 1e-3 * float(np.nansum(np.nanmax(t, axis=1) - np.nanmin(t, axis=1))), 1e-12)
+        for step in steps:
+            bound = lb + step * scale
+            if bound >= give_up:
+                break
+            front = pareto_front(time_cost, mem_cost, pools, budget, bound)
+            if len(front.time):
+                return front
+    return pareto_front(time_cost, mem_cost, pools, budget, give_up)
+
+
+def _hull_bounds(time_cost, res, ok, stages, first_only: bool = False):
+    """Per stage s, ``least(left)``: a lower bound on the seconds the items of stages s, s+1, ... need
+    when ``left[..., k]`` bytes of resource k remain for them, for (F, K) ``left``.
+
+    For each resource alone, the items' choices relaxed to their convex hull (fractions of a
+    choice allowed): from every item's least-resource choice, the hull's segments are bought in
+    order of seconds saved per byte, so ``least_k(m) = T0 + interp(m - M0, cum bytes, cum
+    seconds)``, the knapsack's LP bound; over the resources, the largest. A bound, not a plan:
+    the real items need at least as many seconds, so a partial plan whose seconds plus the bound
+    exceed the time bound cannot complete to a plan within it. ``inf`` where ``left`` is below
+    the least resource any completion needs. ``first_only``: stage 0's alone (every item).
+    """
+    k = res.shape[2]
+    per_stage = []  # per stage, per resource: (seconds at the least bytes, least bytes, segments)
+    for items in stages:
+        i0, count = items[0], len(items)
+        cols = np.flatnonzero(ok[i0])
+        per_res = []
+        for r in range(k):
+            hull: list[tuple[float, float]] = []
+            for m, t in sorted(zip(res[i0, cols, r].tolist(), time_cost[i0, cols].tolist())):
+                if hull and t >= hull[-1][1]:  # bytes ascending, seconds strictly falling
+                    continue
+                while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (m - hull[-2][0])
+                                          >= (t - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+                    hull.pop()  # not convex: the middle point is on or above the chord
+                hull.append((m, t))
+            per_res.append((hull[0][1] * count, hull[0][0] * count,
+                            [((b[0] - a[0]) * count, (b[1] - a[1]) * count) for a, b in zip(hull, hull[1:])]))
+        per_stage.append(per_res)
+    bounds = []
+    for s in range(1 if first_only else len(stages) + 1):
+        fns = []
+        for r in range(k):
+            later = [x[r] for x in per_stage[s:]]
+            segs = sorted((g for x in later for g in x[2]), key=lambda g: g[1] / g[0])
+            cm = np.concatenate([[0.0], np.cumsum([g[0] for g in segs])])
+            ct = np.concatenate([[0.0], np.cumsum([g[1] for g in segs])]) + sum(x[0] for x in later)
+            fns.append((float(sum(x[1] for x in later)), cm, ct))
+
+        def least(left, fns=fns):
+            left = np.asarray(left, dtype=np.float64)
+            out = np.full(left.shape[:-1], -math.inf)
+            for r, (m0, cm, ct) in enumerate(fns):
+                m = left[..., r] - m0
+                out = np.maximum(out, np.where(m >= -abs(m0) * 1e-12, np.interp(m, cm, ct), math.inf))
+            return out
+        bounds.append(least)
+    return bounds
 
 
 def _chunks(items: list[int], choices: int) -> list[list[int]]:

@@ -265,3 +265,43 @@ def test_a_missed_plan_yields_to_a_faster_next_run():
     with pytest.raises(osdp_jax.InfeasibleBudgetError):
         _fastest([fast, slow], PlanOptions(loss_fn=lambda p, b: 0.0))
     assert [c for c in calls if c[1]] == [("fast", True, 6.0), ("slow", True, None), ("fast", True, None)]
+
+
+def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_in_full_gives():
+    """``_planner._search`` searches each batch size only for plans faster than the best so far
+    (its LP bound orders them, and skips one that cannot win). Its choice, and each re-plan under
+    a lowered limit on the same kept fronts, is the largest samples/s over every batch size each
+    searched in full, the smallest batch size of equals, on random tables."""
+    from types import SimpleNamespace
+
+    from osdp_jax._planner import _search
+    from osdp_jax._search import InfeasibleBudgetError, solve_pools
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        n, c = int(rng.integers(2, 9)), int(rng.integers(2, 5))
+        tables = {}
+        for size in (8, 16, 32):
+            t = rng.random((n, c)) * size / 8
+            t[:, 1:][rng.random((n, c - 1)) < 0.2] = np.inf
+            tables[size] = SimpleNamespace(time=t, mem=rng.random((n, c)) * size, pools=rng.random((n, c, 2)),
+                                           base_mem=float(size), base_time=float(rng.random()))
+        if trial % 4 == 0:
+            tables[16] = SimpleNamespace(**{**vars(tables[8]), "base_time": tables[8].base_time})  # equals
+            tables[16].time = tables[8].time * 2
+            tables[16].base_time = tables[8].base_time * 2
+        fronts = {}
+        for limit in sorted(rng.uniform(10, 60 * n, 4), reverse=True):
+            want = None
+            for size, t in tables.items():
+                try:
+                    sol = solve_pools(t.time, t.mem, t.pools, limit - t.base_mem)
+                except InfeasibleBudgetError:
+                    continue
+                sps = size / (t.base_time + sol.time)
+                if want is None or sps > want[0]:
+                    want = (sps, size)
+            best, _ = _search(tables, limit, fronts)
+            if want is None:
+                assert best is None
+            else:
+                assert (best[1], best[5]) == (want[1], pytest.approx(want[0], rel=1e-12))

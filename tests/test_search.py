@@ -119,7 +119,8 @@ def brute_force_pools(t, m, pools, budget):
 
 
 def random_pool_instance(rng, trial):
-    """Item times, memory and K pools: identical items every third trial, missing choices every fourth."""
+    """Item times, memory and K pools: identical items every third trial, missing choices every
+    fourth, negative times every fifth (the seconds a remat policy saves)."""
     n, c, k = (int(x) for x in (rng.integers(1, 7), rng.integers(1, 4), rng.integers(1, 4)))
     t, m, pools = rng.random((n, c)), rng.random((n, c)), rng.random((n, c, k))
     if trial % 3 == 0:
@@ -127,6 +128,8 @@ def random_pool_instance(rng, trial):
     if trial % 4 == 0:
         t[rng.random((n, c)) < 0.3] = np.inf
         t[:, 0] = np.where(np.isinf(t[:, 0]), 1.0, t[:, 0])
+    if trial % 5 == 0:
+        t = t - 0.7
     return t, m, pools
 
 
@@ -171,32 +174,38 @@ def test_a_front_built_for_a_budget_answers_every_smaller_one(seed):
             front.best(2 * budget)
 
 
-def test_a_time_bound_keeps_the_optimum_and_a_front_walk_finds_a_plan_that_fits():
-    """``pareto_front(time_bound=)`` from any plan that fits gives the same optimum as the
-    unbounded search; ``Front.first_within`` (memory added per choice) returns a plan that fits
-    with it, never faster than the optimum of the problem with that memory, and never slower than
-    the bounded front's best."""
+def test_a_time_bound_keeps_every_plan_as_fast_and_the_hull_bound_is_below_the_optimum():
+    """``pareto_front(time_bound=)``: under every smaller budget, its best plan is brute force's
+    optimum when that is no slower than the bound, and ``BeyondBound`` says so when it is
+    slower; a bound below the optimum leaves an empty front. ``lower_bound`` (the LP bound) is
+    never above the optimum, and ``fastest_front`` with ``give_up`` finds the optimum when it is
+    as fast, else says ``BeyondBound``."""
+    from osdp_jax._search import BeyondBound, fastest_front, lower_bound
     rng = np.random.default_rng(7)
     checked = 0
     for trial in range(60):
         t, m, pools = random_pool_instance(rng, trial)
-        extra = rng.random(m.shape) * (rng.random(m.shape) < 0.3)
         low = m.min(axis=1).sum() + pools.min(axis=1).sum(axis=0).max()
         high = m.max(axis=1).sum() + pools.max(axis=1).sum(axis=0).max()
         budget = low + (high - low) * rng.uniform(0.3, 0.9)
-        try:
-            exact = solve_pools(t, m + extra, pools, budget)
-        except InfeasibleBudgetError:
+        expected, _ = brute_force_pools(t, m, pools, budget * (1 + 1e-12))
+        if expected is None:
             continue
-        walked = pareto_front(t, m, pools, budget).first_within(budget, extra)
-        if walked is not None:
-            idx = np.arange(len(walked.choices))
-            peak = (m + extra)[idx, walked.choices].sum() + pools[idx, walked.choices].sum(axis=0).max()
-            assert peak <= budget + 1e-9 and walked.mem == pytest.approx(peak)
-            assert walked.time >= exact.time - 1e-12
-        bound = walked.time if walked is not None else exact.time
-        bounded = pareto_front(t, m + extra, pools, budget, time_bound=bound).best(budget)
-        assert bounded.time == pytest.approx(exact.time, abs=1e-12)
+        assert lower_bound(t, m, pools, budget) <= expected + 1e-12
+        bound = expected + rng.uniform(0.0, 0.5) * abs(expected)
+        front = pareto_front(t, m, pools, budget, time_bound=bound)
+        for limit in np.linspace(low, budget, 5):
+            want, _ = brute_force_pools(t, m, pools, limit * (1 + 1e-12))
+            if want is not None and want <= bound:
+                assert front.best(limit).time == pytest.approx(want, rel=1e-12, abs=1e-12)
+            else:
+                with pytest.raises((BeyondBound, InfeasibleBudgetError)):
+                    front.best(limit)
+        assert len(pareto_front(t, m, pools, budget, time_bound=expected - 1e-6).time) == 0
+        with pytest.raises(BeyondBound):
+            fastest_front(t, m, pools, budget, give_up=expected - 1e-6).best(budget)
+        assert fastest_front(t, m, pools, budget, give_up=expected).best(budget).time == pytest.approx(
+            expected, rel=1e-12, abs=1e-12)
         checked += 1
     assert checked >= 40  # the budgets are feasible often enough for this to test something
 
