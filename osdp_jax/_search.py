@@ -292,12 +292,14 @@ def lower_bound(time_cost, mem_cost, pools, budget: float) -> float:
 
 
 def fastest_front(time_cost, mem_cost, pools, budget: float, give_up: float = math.inf,
-                  steps=(0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)) -> Front:
+                  steps=tuple(0.002 * 2 ** i for i in range(9))) -> Front:
     """:func:`pareto_front` under time bounds raised from the LP bound of the whole problem until
     a front holds a plan within ``budget``: the optimum, exactly (a bounded front holds every
     plan no slower than its bound). A bound below the optimum leaves nothing, quickly, since
     every partial plan is cut by the hull bound of the items after it; the bounds tried are
-    ``lb + step * scale`` seconds for ``steps``, ``scale = max(|lb|, 1e-3 * spread)`` (``spread``,
+    ``lb + step * scale`` seconds for ``steps`` (0.2% doubling to 51%: a plan is found at a
+    bound at most twice as far above the LP bound as the optimum, and the fronts grow with that
+    distance), ``scale = max(|lb|, 1e-3 * spread)`` (``spread``,
     the sum of each item's slowest less fastest seconds), then none. ``give_up`` (seconds): the
     last bound, no search beyond it (an empty front when no plan within ``budget`` is as fast).
 
@@ -350,24 +352,31 @@ def _hull_bounds(time_cost, res, ok, stages, first_only: bool = False):
                             [((b[0] - a[0]) * count, (b[1] - a[1]) * count) for a, b in zip(hull, hull[1:])]))
         per_stage.append(per_res)
     bounds = []
-    for s in range(1 if first_only else len(stages) + 1):
-        fns = []
-        for r in range(k):
-            later = [x[r] for x in per_stage[s:]]
-            segs = sorted((g for x in later for g in x[2]), key=lambda g: g[1] / g[0])
-            cm = np.concatenate([[0.0], np.cumsum([g[0] for g in segs])])
-            ct = np.concatenate([[0.0], np.cumsum([g[1] for g in segs])]) + sum(x[0] for x in later)
-            fns.append((float(sum(x[1] for x in later)), cm, ct))
+    for r in range(k):  # every stage's hull segments, in order of seconds per byte
+        seg = [(st, dm, dt) for st, x in enumerate(per_stage) for dm, dt in x[r][2]]
+        st, dm, dt = (np.array(v, dtype=np.float64).reshape(-1) for v in zip(*seg)) if seg else (np.zeros(0),) * 3
+        order = np.argsort(dt / np.where(dm > 0, dm, 1.0), kind="stable")
+        st, dm, dt = st[order], dm[order], dt[order]
+        t0 = np.cumsum([x[r][0] for x in per_stage][::-1])[::-1]  # seconds at the least bytes, stages s..
+        m0 = np.cumsum([x[r][1] for x in per_stage][::-1])[::-1]
+        for s in range(1 if first_only else len(stages) + 1):
+            later = st >= s
+            cm = np.concatenate([[0.0], np.cumsum(dm[later])])
+            ct = np.concatenate([[0.0], np.cumsum(dt[later])]) + (t0[s] if s < len(stages) else 0.0)
+            if r == 0:
+                bounds.append([])
+            bounds[s].append((float(m0[s]) if s < len(stages) else 0.0, cm, ct))
 
-        def least(left, fns=fns):
+    def bound(fns):
+        def least(left):
             left = np.asarray(left, dtype=np.float64)
             out = np.full(left.shape[:-1], -math.inf)
             for r, (m0, cm, ct) in enumerate(fns):
                 m = left[..., r] - m0
                 out = np.maximum(out, np.where(m >= -abs(m0) * 1e-12, np.interp(m, cm, ct), math.inf))
             return out
-        bounds.append(least)
-    return bounds
+        return least
+    return [bound(fns) for fns in bounds]
 
 
 def _chunks(items: list[int], choices: int) -> list[list[int]]:

@@ -12,11 +12,15 @@ are kept and searched three ways, all exact:
   searched only for plans faster than the best so far.
 
 It checks that the three give the same best plan (samples/s equal to 1e-12) and prints measured
-seconds (medians of ``--repeat`` runs) and the Pareto set sizes. Writes
+seconds (medians of ``--repeat`` runs) and the Pareto set sizes. Then the hard case, once each:
+``--random`` tables of all-different items (uniform seconds and bytes, 4 choices, 2 pools, the
+budget halfway between the least and most memory), searched bounded (``solve_pools``) and, up to
+200 items, whole (``pareto_front``), the same optimum asserted. Writes
 experiments/results/search_bound.md.
 
-Run: python experiments/benchmarks/search_bound.py [--budgets 4GB,8GB,...] [--repeat 3]
+Run: python experiments/benchmarks/search_bound.py [--budgets 4GB,8GB,...] [--repeat 3] [--random 200,400]
 """
+import numpy as np
 import argparse
 import dataclasses
 import os
@@ -31,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import osdp_jax  # noqa: E402
 from experiments import config, runner  # noqa: E402
 from osdp_jax import _planner  # noqa: E402
-from osdp_jax.search import InfeasibleBudgetError, fastest_front, pareto_front  # noqa: E402
+from osdp_jax.search import InfeasibleBudgetError, fastest_front, lower_bound, pareto_front, solve_pools  # noqa: E402
 
 CONFIG = "experiments/paper/gpt2_48l_1536.toml"
 OUT = pathlib.Path("experiments/results/search_bound.md")
@@ -93,6 +97,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budgets", default="4GB,8GB,12GB,16GB,24GB,32GB")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--random", default="200,400", help="item counts of the random tables ('' for none)")
     args = ap.parse_args()
     s = runner.setup(config.load(CONFIG))
     rows = []
@@ -112,7 +117,7 @@ def main():
               f"best {want[0]:.2f} samples/s at batch {want[1]}", flush=True)
     lines = ["# The exact search with and without its time bound", "",
              f"Measured with `python experiments/benchmarks/search_bound.py --budgets {args.budgets} "
-             f"--repeat {args.repeat}` on this 2-core machine: seconds are medians of {args.repeat} runs of "
+             f"--repeat {args.repeat} --random {args.random}` on this 2-core machine: seconds are medians of {args.repeat} runs of "
              f"the search alone (the cost tables of {CONFIG}'s `plan(verify=False)` at each budget, one "
              "per batch size), and the three searches' best plans are asserted equal.", "",
              "| budget | limit | batch sizes | whole Pareto sets (s) | their points | bounded (s) | their points "
@@ -121,6 +126,22 @@ def main():
     for budget, lim, n, ws, wp, bs, bp, ps, want in rows:
         lines.append(f"| {budget} | {lim} | {n} | {ws:.2f} | {wp:,} | {bs:.2f} | {bp:,} | {ps:.2f} | "
                      f"{want[0]:.2f} samples/s, batch {want[1]} |")
+    if args.random:
+        lines += ["", "All-different random items (one run each, seeds 0, 1, ...; whole Pareto sets up to 200 items):",
+                  "", "| items | LP bound under the optimum | bounded (s) | whole Pareto set (s) |", "|---|---|---|---|"]
+        for seed, n in enumerate(int(x) for x in args.random.split(",")):
+            rng = np.random.default_rng(seed)
+            t, m, pools = rng.random((n, 4)), rng.random((n, 4)), 0.3 * rng.random((n, 4, 2))
+            budget = (m.min(axis=1).sum() + m.max(axis=1).sum()) / 2
+            bounded_s, sol = timed(lambda: solve_pools(t, m, pools, budget), 1)
+            whole_s = "-"
+            if n <= 200:
+                whole_s, whole = timed(lambda: pareto_front(t, m, pools, budget).best(budget), 1)
+                assert abs(whole.time - sol.time) <= 1e-9 * abs(sol.time)
+                whole_s = f"{whole_s:.2f}"
+            gap = (sol.time - lower_bound(t, m, pools, budget)) / sol.time
+            lines.append(f"| {n} | {gap:.2%} | {bounded_s:.2f} | {whole_s} |")
+            print(f"random {n}: bounded {bounded_s:.2f} s, whole {whole_s} s, LP bound {gap:.2%} under", flush=True)
     OUT.write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT}")
 
