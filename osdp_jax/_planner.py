@@ -455,24 +455,25 @@ def _candidate(size, sol, tables):
     return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
 
 
-def _solve(t, budget: float, fronts: dict, extra=None, give_up: float = math.inf):
+def _solve(t, budget: float, fronts: dict, extra=None, give_up: float = math.inf, lb: float | None = None):
     """The optimum of the tables ``t`` under ``budget`` bytes, as ``(tables, Solution)``: from the
     Pareto front in ``fronts`` (one planning's, ``id(tables) -> (tables, Front)``) when one was
     built for them for as much memory or more and holds a plan within ``budget`` (a re-plan under
     a lowered budget searches no further), else by ``fastest_front``, kept. With ``extra``
     (bytes per item and choice, the verification's lessons): the optimum of ``t`` with ``extra``
     added to its memory, and those tables. ``give_up`` (seconds of the items): no search for
-    plans slower; ``BeyondBound`` when none within ``budget`` is as fast."""
+    plans slower; ``BeyondBound`` when none within ``budget`` is as fast. ``lb``: the LP bound of
+    the tables (with ``extra``) under ``budget``, when known."""
     if extra is not None:
         taught = dataclasses.replace(t, mem=t.mem + extra)
-        return taught, fastest_front(taught.time, taught.mem, taught.pools, budget, give_up).best(budget)
+        return taught, fastest_front(taught.time, taught.mem, taught.pools, budget, give_up, lb=lb).best(budget)
     kept = fronts.get(id(t))
     if kept is not None and kept[0] is t and kept[1].budget >= budget:
         try:
             return t, kept[1].best(budget)
         except BeyondBound:  # the optimum is slower than that search's bound
             pass
-    front = fastest_front(t.time, t.mem, t.pools, budget, give_up)
+    front = fastest_front(t.time, t.mem, t.pools, budget, give_up, lb=lb)
     fronts[id(t)] = (t, front)
     return t, front.best(budget)
 
@@ -494,13 +495,14 @@ def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
             extra = lesson.penalty(t.mem.shape) + (0.0 if extra is None else extra)
         mem = t.mem if extra is None else t.mem + extra
         least = lower_bound(t.time, mem, t.pools, limit - t.base_mem)
-        order.append((-_candidate(size, Solution(np.zeros(0, np.int64), least, 0.0), t)[0], len(order), size, t, extra))
-    for _, _, size, t, extra in sorted(order, key=lambda x: x[:2]):
+        order.append((-_candidate(size, Solution(np.zeros(0, np.int64), least, 0.0), t)[0], len(order), size, t, extra,
+                      least))
+    for _, _, size, t, extra, least in sorted(order, key=lambda x: x[:2]):
         give_up = math.inf
         if best is not None and size is not None and best[5]:
             give_up = size / best[5] - t.base_time
         try:
-            searched, sol = _solve(t, limit - t.base_mem, fronts, extra, give_up)
+            searched, sol = _solve(t, limit - t.base_mem, fronts, extra, give_up, least)
         except InfeasibleBudgetError as e:
             min_needed = min(min_needed, e.min_bytes + t.base_mem)
             continue

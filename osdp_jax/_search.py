@@ -292,7 +292,7 @@ def lower_bound(time_cost, mem_cost, pools, budget: float) -> float:
 
 
 def fastest_front(time_cost, mem_cost, pools, budget: float, give_up: float = math.inf,
-                  steps=tuple(0.002 * 2 ** i for i in range(9))) -> Front:
+                  steps=tuple(0.002 * 2 ** i for i in range(9)), lb: float | None = None) -> Front:
     """:func:`pareto_front` under time bounds raised from the LP bound of the whole problem until
     a front holds a plan within ``budget``: the optimum, exactly (a bounded front holds every
     plan no slower than its bound). A bound below the optimum leaves nothing, quickly, since
@@ -302,11 +302,12 @@ def fastest_front(time_cost, mem_cost, pools, budget: float, give_up: float = ma
     distance), ``scale = max(|lb|, 1e-3 * spread)`` (``spread``,
     the sum of each item's slowest less fastest seconds), then none. ``give_up`` (seconds): the
     last bound, no search beyond it (an empty front when no plan within ``budget`` is as fast).
+    ``lb``: :func:`lower_bound` of these tables under ``budget``, when the caller has it.
 
     Raises:
       InfeasibleBudgetError: when no assignment fits (an unbounded search found none).
     """
-    lb = lower_bound(time_cost, mem_cost, pools, budget)
+    lb = lower_bound(time_cost, mem_cost, pools, budget) if lb is None else lb
     if math.isfinite(lb):
         t = np.asarray(time_cost, dtype=np.float64)
         t = np.where(np.isfinite(t), t, np.nan)

@@ -286,7 +286,7 @@ def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_i
             tables[size] = SimpleNamespace(time=t, mem=rng.random((n, c)) * size, pools=rng.random((n, c, 2)),
                                            base_mem=float(size), base_time=float(rng.random()))
         if trial % 4 == 0:
-            tables[16] = SimpleNamespace(**{**vars(tables[8]), "base_time": tables[8].base_time})  # equals
+            tables[16] = SimpleNamespace(**vars(tables[8]))  # equals
             tables[16].time = tables[8].time * 2
             tables[16].base_time = tables[8].base_time * 2
         fronts = {}
