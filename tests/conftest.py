@@ -3,11 +3,9 @@
 JAX's persistent compilation cache, in a home folder made for the test session, empty when it
 starts (as on CI) and removed at its end: the workers and the CLI processes the tests start share
 it, the CLI's default cache (``plan.compilation_cache``, under ``~``) included, so the suite
-writes nothing under the user's home. Steps compiled again in a later test (the same probes of a
-model, a plan planned again) are read back. (Until session 15 the tests used the user's
-``~/.cache/osdp-jax/xla`` from the first in-process CLI call on, without meaning to; runs with it
-filled by earlier runs took about 7 minutes here, with it empty 11 min 29 s, and with no cache at
-all 13 min 27 s.) On XLA:CPU, executables loaded from the cache sometimes ran their collectives in
+writes nothing under the user's home, and steps compiled again in a later test (the same probes
+of a model, a plan planned again) are read back (README, *Two commands*: the suite's time with and
+without it). On XLA:CPU, executables loaded from the cache sometimes ran their collectives in
 another execution's rendezvous (5 of 42 runs of the opt-mini segment test in three parallel
 processes gave NaN losses or aborted with "Check failed: id < num_threads" in rendezvous.h; 0 of
 21 without it): the gpt2-mini and opt-mini cases of that test run with the slow tests (README,
