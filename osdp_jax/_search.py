@@ -352,21 +352,20 @@ def _hull_bounds(time_cost, res, ok, stages, first_only: bool = False):
             per_res.append((hull[0][1] * count, hull[0][0] * count,
                             [((b[0] - a[0]) * count, (b[1] - a[1]) * count) for a, b in zip(hull, hull[1:])]))
         per_stage.append(per_res)
-    bounds = []
+    bounds = [[] for _ in range(1 if first_only else len(stages) + 1)]  # per start stage, per resource
     for r in range(k):  # every stage's hull segments, in order of seconds per byte
         seg = [(st, dm, dt) for st, x in enumerate(per_stage) for dm, dt in x[r][2]]
         st, dm, dt = (np.array(v, dtype=np.float64).reshape(-1) for v in zip(*seg)) if seg else (np.zeros(0),) * 3
         order = np.argsort(dt / np.where(dm > 0, dm, 1.0), kind="stable")
         st, dm, dt = st[order], dm[order], dt[order]
-        t0 = np.cumsum([x[r][0] for x in per_stage][::-1])[::-1]  # seconds at the least bytes, stages s..
-        m0 = np.cumsum([x[r][1] for x in per_stage][::-1])[::-1]
-        for s in range(1 if first_only else len(stages) + 1):
+        # seconds and bytes at the least bytes of stages s.. (0 after the last)
+        t0 = np.append(np.cumsum([x[r][0] for x in per_stage][::-1])[::-1], 0.0)
+        m0 = np.append(np.cumsum([x[r][1] for x in per_stage][::-1])[::-1], 0.0)
+        for s, fns in enumerate(bounds):
             later = st >= s
             cm = np.concatenate([[0.0], np.cumsum(dm[later])])
-            ct = np.concatenate([[0.0], np.cumsum(dt[later])]) + (t0[s] if s < len(stages) else 0.0)
-            if r == 0:
-                bounds.append([])
-            bounds[s].append((float(m0[s]) if s < len(stages) else 0.0, cm, ct))
+            ct = np.concatenate([[0.0], np.cumsum(dt[later])]) + t0[s]
+            fns.append((float(m0[s]), cm, ct))
 
     def bound(fns):
         def least(left):
