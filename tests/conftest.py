@@ -33,8 +33,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import osdp_jax  # noqa: E402
+from experiments.config import PlanConfig  # noqa: E402
 
-osdp_jax.enable_compilation_cache(os.path.expanduser("~/.cache/osdp-jax/xla"))
+osdp_jax.enable_compilation_cache(PlanConfig.compilation_cache)  # the CLI's default folder, under this home
 
 jax.config.update("jax_num_cpu_devices", 8)
 
