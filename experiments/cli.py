@@ -154,7 +154,7 @@ def _train(args, s, out) -> int:
             if plan is not None:
                 print(f"reusing the plan of checkpoint {point.step} (same config)", flush=True)
             else:
-                plan = runner.make_plan(s)
+                plan = runner.make_plan(s, verify="full")  # trained at once: the executable it compiles
             print(plan.summary(), flush=True)
             summary = runner.train(s, out, plan=plan, resume=args.resume, resume_from=args.resume_from,
                                    point=point, init_params=pathlib.Path(args.init_params) if args.init_params else None,

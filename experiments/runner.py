@@ -114,6 +114,7 @@ def setup(cfg: ExperimentConfig) -> Setup:
 
 
 def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, per_layer=None) -> osdp_jax.Plan:
+    """``osdp_jax.plan`` with the config's options (``verify="full"`` for a plan trained at once)."""
     p = s.cfg.plan
     return osdp_jax.plan(
         s.abstract_params(), s.mesh, budget=p.budget, loss_fn=s.loss_fn,
@@ -290,7 +291,7 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     cfg = s.cfg
     if point is None and write:
         point = check_run_dir(s, out, resume, resume_from)
-    plan = plan or reusable_plan(s, point) or make_plan(s)
+    plan = plan or reusable_plan(s, point) or make_plan(s, verify="full")
     _same_on_every_process(plan)
     b = plan.batch_size
     abstract = s.abstract_params()
@@ -451,7 +452,7 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
         try:
             # a plan that will not be trained here is compiled for XLA's figures only
             plan = make_plan(s, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer,
-                             verify=True if trainable and measure_steps > 0 else "figures")
+                             verify="full" if trainable and measure_steps > 0 else "figures")
         except osdp_jax.InfeasibleBudgetError as e:
             row.update(fits=False, min_bytes=e.min_bytes)
             rows.append(row)

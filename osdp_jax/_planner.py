@@ -49,8 +49,8 @@ class PlanOptions:
     strategies: tuple[str, ...] | None = None  # allowed strategies (default all that apply)
     axis: object = None  # data-parallel mesh axes (default all)
     splits: tuple[int, ...] = DEFAULT_SPLITS  # candidate split counts for sharded dense kernels
-    verify: bool | str = True  # compile the chosen plan and re-plan if XLA's peak exceeds the budget;
-    #                            "figures": compile it for XLA's figures only (half the time; not run)
+    verify: bool | str = True  # compile the chosen plan for XLA's figures and re-plan if its peak exceeds
+    #                            the budget; "full": compile it to run (training reuses it); False: no
     measure_time: bool = False  # time the probes on the mesh and scale the time model to them
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
     remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
@@ -74,10 +74,13 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
       mesh: the device mesh; ``axis`` names its data-parallel axes (default: all of them).
       options: a :class:`PlanOptions`; or pass its fields as keywords: ``budget``, ``loss_fn``,
         ``batch``, ``batch_sizes``, ``optimizer``, ``hardware``, ``strategies``, ``axis``, ``splits``
-        (``(1,)`` disables operator splitting), ``verify`` (True: compile the chosen plan, the
-        executable training then runs; ``"figures"``: compile it for XLA's figures only, as the probes
-        are, a quarter to a half of the compile time on XLA:CPU and within 1 KiB of its peak, for
-        plans that will not be run; False: trust the model),
+        (``(1,)`` disables operator splitting), ``verify`` (True, the default, or ``"figures"``:
+        compile the chosen plan for XLA's figures only, as the probes are, about a third of a full
+        compile on XLA:CPU and within 1 KiB of its peak there (exact elsewhere), and
+        ``make_train_step`` compiles it to run; ``"full"``: compile it to run here, the executable
+        ``make_train_step`` then takes (no compile there), checked as a probe first when predicted
+        within 10% of the budget: for a plan trained at once, one compile less in all; False: trust
+        the model),
         ``measure_time`` (runs the probes on the
         mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
@@ -109,10 +112,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if o.loss_fn is not None:
         o = dataclasses.replace(o, loss_fn=PlainLoss.of(o.loss_fn, o.has_aux, o.rng, o.state))
     strategies, splits, axes = check_strategies(o.strategies), check_splits(o.splits), data_axes(mesh, o.axis)
-    if o.verify not in (True, False, "figures"):
-        raise ValueError(f"verify must be True (compile the chosen plan's step, which training then runs), "
-                         f"'figures' (compile it for XLA's figures only: faster, when it will not be run) or "
-                         f"False, got {o.verify!r}")
+    if o.verify not in (True, False, "figures", "full"):
+        raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
+                         f"(compile the step training then runs) or False (trust the model), got {o.verify!r}")
     policies = _policies(o.remat)
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
@@ -292,9 +294,9 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
     if not verifying:
         return build(best)
-    # nothing will run it: compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU
-    # within 1 KiB of temp of the default compile), not the optimised executable
-    figures_only = "probe" if o.verify == "figures" else False
+    # by default compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU within 1 KiB
+    # of temp of the default compile), not the optimised executable, which make_train_step compiles
+    figures_only = "probe" if o.verify != "full" else False
     if figures_only:
         peak_of = verified(lambda p: profile_step(o.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
                                                   figures_only=figures_only).peak_bytes)

@@ -143,7 +143,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, uninter
 def test_sigterm_checkpoints_the_step_and_resumes_bit_identical(tmp_path, uninterrupted, split_plan,
                                                                  monkeypatch, capsys):
     out = tmp_path / "preempted"
-    monkeypatch.setattr(runner, "make_plan", lambda s: osdp_jax.Plan.from_json(split_plan.read_text()))
+    monkeypatch.setattr(runner, "make_plan", lambda s, **_: osdp_jax.Plan.from_json(split_plan.read_text()))
     original = runner.train
 
     def train(*a, **kw):  # SIGTERM, as a scheduler sends it, during step 4
@@ -155,7 +155,7 @@ def test_sigterm_checkpoints_the_step_and_resumes_bit_identical(tmp_path, uninte
     assert f"--out {out} --resume" in err[0]
     assert Checkpoints(out / "checkpoints").steps() == [3, 5]  # step 5 is not a multiple of 3
     monkeypatch.setattr(runner, "train", original)
-    monkeypatch.setattr(runner, "make_plan", lambda s: pytest.fail("the resumed run re-planned"))
+    monkeypatch.setattr(runner, "make_plan", lambda s, **_: pytest.fail("the resumed run re-planned"))
     assert cli.main(["train", CONFIG, "--out", str(out), *ARGS, "--resume"]) == 0
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 5
     _same_run(out, uninterrupted, tmp_path)
@@ -284,7 +284,7 @@ def test_existing_run_without_resume_is_refused(uninterrupted, capsys):
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "nan"
     # what is tested is the divergence check, not planning: an all-replicated plan, nothing compiled
-    monkeypatch.setattr(runner, "make_plan", lambda s: osdp_jax.plan(
+    monkeypatch.setattr(runner, "make_plan", lambda s, **_: osdp_jax.plan(
         s.abstract_params(), s.mesh, budget="1GB", batch=s.abstract_batch(32), optimizer=s.optimizer))
     code = cli.main(["train", CONFIG, "--out", str(out), "--steps", "30", "--checkpoint-every", "1",
                      "--plan.batch_sizes=32", "--optim.name=sgd", "--optim.learning_rate=1e12"])
@@ -384,7 +384,7 @@ def test_resume_from_the_previous_checkpoint_moves_the_damaged_one_aside(tmp_pat
     shutil.copytree(uninterrupted, run)
     (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() + '{"step": 12, "lo')  # cut short
     _truncate_arrays(run / "checkpoints" / "12")
-    monkeypatch.setattr(runner, "make_plan", lambda s: pytest.fail("the resumed run re-planned"))
+    monkeypatch.setattr(runner, "make_plan", lambda s, **_: pytest.fail("the resumed run re-planned"))
     assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume-from", "9"]) == 0
     assert "moved the checkpoints after step 9 ([12])" in capsys.readouterr().out
     assert [p.name.split("-")[0] for p in (run / "superseded").iterdir()] == ["12"]  # kept, not deleted
@@ -400,7 +400,7 @@ def test_resume_with_nothing_to_resume_is_refused_before_planning(tmp_path, case
     if case == "only a killed save":
         (run / "checkpoints" / "3.orbax-checkpoint-tmp-1234").mkdir()
     before = _snapshot(run)
-    monkeypatch.setattr(runner, "make_plan", lambda s: pytest.fail("planned before refusing"))
+    monkeypatch.setattr(runner, "make_plan", lambda s, **_: pytest.fail("planned before refusing"))
     assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume"]) == 2
     assert "nothing to resume" in _one_error(capsys)
     assert _snapshot(run) == before

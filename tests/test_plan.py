@@ -207,9 +207,13 @@ def test_nnx_python_loop_vit_mid_budget_fits_and_minimum_is_honest(mesh):
 
 
 def test_training_reuses_the_verification_compile(mesh):
-    """The planner's verification compile is the train step's: make_train_step's first call runs
-    that executable (no compile), and it computes exactly what a fresh compile computes."""
+    """With ``verify="full"`` the planner's verification compile is the train step's:
+    make_train_step's first call runs that executable (no compile), and it computes exactly what a
+    fresh compile computes. By default (``verify=True``) the plan is compiled for its figures only,
+    as a probe: the same plan, its XLA peak within ``PROBE_TOLERANCE`` of the full compile's,
+    nothing kept to run, and make_train_step compiles the step."""
     from experiments.benchmarks import foreign
+    from osdp_jax.runtime import step as st
     from osdp_jax.runtime.step import clear_compiled
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
@@ -217,8 +221,14 @@ def test_training_reuses_the_verification_compile(mesh):
     # by a compile (a probe's layout is verified by the probe's figures, and training compiles it)
     peaks = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
              for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
-    plan = osdp_jax.plan(params, mesh, budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    clear_compiled()
+    quick = osdp_jax.plan(params, mesh, **kw)
+    assert not st._COMPILED and quick.compiles >= 1
+    plan = osdp_jax.plan(params, mesh, verify="full", **kw)
     assert set(plan.counts()) == {"replicate", "zero3"}, plan.summary()
+    assert plan.layout == quick.layout and len(st._COMPILED) == 1
+    assert abs(plan.xla_peak_bytes - quick.xla_peak_bytes) <= st.PROBE_TOLERANCE
 
     def first_loss():
         p = osdp_jax.shard(params, mesh, plan)
@@ -257,7 +267,7 @@ def test_a_plan_checked_over_the_budget_is_not_compiled_in_full(mesh):
 
 
 def test_only_a_plan_predicted_near_its_budget_is_checked_as_a_probe_first(mesh, monkeypatch):
-    """A plan predicted above ``CHECK_ABOVE`` of its budget is compiled as a probe, then in full
+    """With ``verify="full"``, a plan predicted above ``CHECK_ABOVE`` of its budget is compiled as a probe, then in full
     (two compiles); one predicted below it in full at once (one compile): a miss there would be a
     model error over 10%. Either way the same plan, XLA peak, and executable for training."""
     from experiments.benchmarks import foreign
@@ -267,7 +277,7 @@ def test_only_a_plan_predicted_near_its_budget_is_checked_as_a_probe_first(mesh,
     opt = optax.adam(1e-3)
     peaks = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
              for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
-    kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+    kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt, units=(), verify="full")
     plans = {}
     for above in (0.0, 10.0):  # every plan near its budget; none
         monkeypatch.setattr(_planner, "CHECK_ABOVE", above)
@@ -329,8 +339,9 @@ def test_probes_compiled_on_worker_threads_each_get_their_own_figures(mesh):
 
 
 def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
-    """``verify="figures"`` compiles the chosen plan for XLA's figures only: the same plan and XLA
-    peak as a full verification, but no executable kept for training; a bad value is one error."""
+    """``verify="figures"`` (as the default ``True``) compiles the chosen plan for XLA's figures
+    only: the same plan and XLA peak as a full verification (``"full"``), but no executable kept
+    for training; a bad value is one error."""
     from experiments.benchmarks import foreign
     from osdp_jax.runtime.step import clear_compiled
     params, loss_fn, batch = foreign.plain_mlp()
@@ -346,8 +357,10 @@ def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
     assert not step.reused  # a figures-only compile is never run
     again = osdp_jax.plan(params, mesh, verify="figures", **kw)  # a budget sweep meets the layout again
     assert again.layout == quick.layout and again.compiles == 0
+    default = osdp_jax.plan(params, mesh, **kw)  # verify=True is the same figures-only compile
+    assert default.layout == quick.layout and default.compiles == 0
     clear_compiled()
-    full = osdp_jax.plan(params, mesh, **kw)
+    full = osdp_jax.plan(params, mesh, verify="full", **kw)
     assert quick.layout == full.layout and quick.xla_peak_bytes == full.xla_peak_bytes
     with pytest.raises(ValueError, match="verify must be True"):
         osdp_jax.plan(params, mesh, verify="yes", **kw)

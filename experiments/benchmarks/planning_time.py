@@ -6,15 +6,16 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
 - *one compile*: ``osdp_jax.compile_step`` of the chosen plan, alone, after every in-process
   cache was cleared (``jax.clear_caches``, ``osdp_jax.planning.clear_compiled``);
 - *cold*: ``plan()`` at the config's budget with the in-process probe cache and the kept compiled
-  steps cleared: its probes at the smallest and largest batch size, and the verification compile;
-- *warm, second budget*: ``plan()`` again at 1.5x the budget, the probes in the process's cache;
-- *warm, figures only*: ``plan(verify="figures")`` at 1.25x the budget (what a budget sweep
-  does: the chosen plan compiled for XLA's figures only, not to be run).
+  steps cleared: its probes at the smallest and largest batch size, and the verification compile
+  (the default, ``verify=True``: the chosen plan compiled for XLA's figures only, as a probe);
+- *second budget*: ``plan()`` again at 1.5x the budget, the probes in the process's cache;
+- *cold, verify="full"*: ``plan(verify="full")`` at the config's budget, every cache cleared again:
+  what ``osdp-jax train`` runs, the chosen plan compiled to run (checked as a probe first when
+  predicted within 10% of the budget); training then runs that executable
+  (``TrainStep.reused``; ``tests/test_plan.py`` checks it), so this ratio includes the compile
+  training would otherwise do.
 
-(Training after planning compiles nothing: ``make_train_step`` runs the verification compile,
-``TrainStep.reused``; ``tests/test_plan.py`` checks it.)
-
-Issue 16's targets: cold <= 3 compiles' worth, warm <= 0.5. Writes
+Issue 16's targets: cold <= 3 compiles' worth, second budget <= 0.5. Writes
 experiments/results/planning_time.md.
 
 Run: python experiments/benchmarks/planning_time.py [--configs gpt2_mini,...]
@@ -45,24 +46,29 @@ def _plan(s, budget, verify=True):
     return plan, time.perf_counter() - t0
 
 
-def measure(name: str) -> dict:
-    s = runner.setup(config.load(f"experiments/{name}.toml"))
-    budget = osdp_jax.parse_bytes(s.cfg.plan.budget)
+def _cold():
     clear_probe_cache()
     clear_compiled()
     jax.clear_caches()
+
+
+def measure(name: str) -> dict:
+    s = runner.setup(config.load(f"experiments/{name}.toml"))
+    budget = osdp_jax.parse_bytes(s.cfg.plan.budget)
+    _cold()
     cold, cold_s = _plan(s, budget)
     warm, warm_s = _plan(s, int(1.5 * budget))
-    figures, figures_s = _plan(s, int(1.25 * budget), verify="figures")
+    _cold()
+    full, full_s = _plan(s, budget, verify="full")
     clear_compiled()
     jax.clear_caches()
-    batch = s.abstract_batch(cold.batch_size)
+    batch = s.abstract_batch(full.batch_size)
     t0 = time.perf_counter()
-    osdp_jax.compile_step(s.loss_fn, s.optimizer, s.abstract_params(), batch, s.mesh, cold)
+    osdp_jax.compile_step(s.loss_fn, s.optimizer, s.abstract_params(), batch, s.mesh, full)
     one = time.perf_counter() - t0
     return dict(name=name, one=one, cold=cold_s, cold_compiles=cold.compiles, warm=warm_s,
-                warm_compiles=warm.compiles, same=warm.layout == cold.layout, figures=figures_s,
-                figures_compiles=figures.compiles)
+                warm_compiles=warm.compiles, same=warm.layout == cold.layout, full=full_s,
+                full_compiles=full.compiles, full_same=full.layout == cold.layout)
 
 
 def main():
@@ -74,30 +80,32 @@ def main():
         r = measure(name)
         rows.append(r)
         print(f"{name}: one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s ({r['cold_compiles']} compiles, "
-              f"ratio {r['cold'] / r['one']:.1f}); second budget {r['warm']:.1f} s ({r['warm_compiles']} compiles, "
-              f"ratio {r['warm'] / r['one']:.2f}); third, figures only {r['figures']:.1f} s ({r['figures_compiles']} "
-              f"compiles, ratio {r['figures'] / r['one']:.2f})", flush=True)
+              f"ratio {r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s ({r['warm_compiles']} compiles, "
+              f"ratio {r['warm'] / r['one']:.2f}); cold, verify=full {r['full']:.1f} s ({r['full_compiles']} "
+              f"compiles, ratio {r['full'] / r['one']:.2f})", flush=True)
     lines = ["# Planning time", "",
              "Measured with `python experiments/benchmarks/planning_time.py` on this 2-core machine, 8 simulated",
              "CPU devices, JAX's persistent compilation cache off. Ratios are `plan()` wall time over one compile",
-             "of the chosen train step, measured in the same run. Issue 16's targets: cold <= 3, warm <= 0.5.", "",
-             "| config | one compile | cold plan() | compiles | cold ratio | plan() at 1.5x budget | compiles | warm ratio "
-             "| plan(verify=\"figures\") at 1.25x | compiles | its ratio |",
+             "of the chosen train step, measured in the same run. Issue 16's targets: cold <= 3, second budget",
+             "<= 0.5.", "",
+             "| config | one compile | cold plan() | compiles | cold ratio | plan() at 1.5x budget | compiles "
+             "| its ratio | cold plan(verify=\"full\") | compiles | its ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['one']:.1f} s | {r['cold']:.1f} s | {r['cold_compiles']} | "
-                     f"{r['cold'] / r['one']:.1f} | {r['warm']:.1f} s{' (same plan)' if r['same'] else ''} | "
-                     f"{r['warm_compiles']} | {r['warm'] / r['one']:.2f} | {r['figures']:.1f} s | "
-                     f"{r['figures_compiles']} | {r['figures'] / r['one']:.2f} |")
+                     f"{r['cold'] / r['one']:.2f} | {r['warm']:.1f} s{' (same plan)' if r['same'] else ''} | "
+                     f"{r['warm_compiles']} | {r['warm'] / r['one']:.2f} | {r['full']:.1f} s"
+                     f"{'' if r['full_same'] else ' (another plan)'} | {r['full_compiles']} | "
+                     f"{r['full'] / r['one']:.2f} |")
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",
-              "not one); the cold plans compile every probe (up to six kinds at two batch sizes) and the chosen",
+              "not one). A cold plan compiles every probe (up to six kinds at two batch sizes) and the chosen",
               "plan; at the second budget only a plan that was not compiled before is. Probes are compiled for",
               "their figures only (no LLVM optimisation, XLA:CPU's older loop emitters), traced in order while",
-              f"{compile_threads()} worker threads compile them. The chosen plan, when predicted above 90% of its",
-              "budget, is compiled as a probe first, then in full if it fits (training runs that executable; a",
-              "plan that does not fit costs the probe compile alone); below 90%, in full at once. Except in the",
-              "last columns: a third budget, on the same warm probe cache, with the plan compiled as a probe",
-              "only (`verify=\"figures\"`, as `compare --budgets` does).", ""]
+              f"{compile_threads()} worker threads compile them. By default (`verify=True`) the chosen plan is",
+              "compiled the same way, and `make_train_step` compiles the step to run. With `verify=\"full\"`",
+              "(`osdp-jax train`) the chosen plan, when predicted above 90% of its budget, is compiled as a",
+              "probe first, then in full if it fits (training runs that executable); below 90%, in full at once:",
+              "that ratio holds the compile training then skips.", ""]
     out = pathlib.Path("experiments/results/planning_time.md")
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
