@@ -52,7 +52,6 @@ class PlanConfig:
     compute_dtype: str = ""  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters); "": own dtype
     microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
-    probes: str = "lean"  # "lean": every probe kind at the largest batch size only; "full": at both ends
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
 
@@ -155,9 +154,6 @@ def _check(cfg: ExperimentConfig):
                             f"give [\"auto\"], [] (no units) or patterns such as [\"blocks_*\"]")
     if cfg.plan.unit_remat not in REMAT_POLICIES:
         _fail("plan.unit_remat", f"unknown remat policy {cfg.plan.unit_remat!r}; give one of {list(REMAT_POLICIES)}")
-    from osdp_jax._calibration import PROBES
-    if cfg.plan.probes not in PROBES:
-        _fail("plan.probes", f"unknown probe set {cfg.plan.probes!r}; give one of {list(PROBES)}")
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

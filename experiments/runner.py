@@ -120,7 +120,7 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         s.abstract_params(), s.mesh, budget=p.budget, loss_fn=s.loss_fn,
         batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes, optimizer=s.optimizer,
         hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
-        verify=verify, measure_time=p.measure_time, probes=p.probes, remat=remat or p.remat,
+        verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
         per_layer=p.per_layer if per_layer is None else per_layer,
         units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat,
         compute_dtype=p.compute_dtype or s.cfg.model.compute_dtype or None,

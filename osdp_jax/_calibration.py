@@ -273,41 +273,23 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
     return [k for k in (ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE) if k.remat in policies]
 
 
-PROBES = ("lean", "full")  # which probes calibrate compiles (``calibrate``, ``PlanOptions.probes``)
-
-
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
-              progress=lambda jobs, desc: jobs, policies=("full",), probes: str = "lean") -> Calibrated:
+              progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
     """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
     (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
-    the remat policies' per-layer terms, from one probe per policy, interpolated the same way.
-
-    ``probes="full"`` compiles every probe kind at both sizes. ``"lean"`` (the default) compiles
-    at the smallest size only the steps whose figures grow with the batch: the all-replicated
-    one (activations, temp, FLOPs) and the remat probes (activations saved per layer, which
-    are affine in the batch, not proportional: gpt2-mini's "dots", 58 KB per layer at batch 64
-    and 143 KB at 256). There the per-byte terms (kappa, zeta, sigma, xi, the last unit's
-    saving: bytes per byte of weight; gpt2-mini's kappa 0.873 at 64 and 0.871 at 256) and the
-    time scales are the largest size's, the FLOPs per unit byte that times b_small / b_large,
-    and the remat terms are taken against the base layout's temp estimated as R's less what
-    sharding saved at the largest size. ``experiments/benchmarks/probe_cut.py`` measures what
-    this costs in accuracy."""
-    if probes not in PROBES:
-        raise ValueError(f"probes must be one of {list(PROBES)}, got {probes!r}")
+    the remat policies' per-layer terms, from one probe per policy at the same two sizes,
+    interpolated between them too."""
     sizes = sorted(batches)
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
-    lean = probes == "lean" and sizes[0] != sizes[-1]
-    fitted = [sizes[-1]] if lean else sorted({sizes[0], sizes[-1]})  # where every kind is probed
-    jobs = [(ProbeKind.REPLICATE, sizes[0])] if lean else []
-    jobs += [(kind, b) for b in fitted for kind in kinds]
+    jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
     jobs += [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in remat_kinds(problem, policies)]
-    jobs += [(ProbeKind.LAST, fitted[0])] if last_probe(problem) else []
+    jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
     requests = [(kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
-                 measure_time and kind in kinds and kind is not ProbeKind.SPLIT and b in fitted) for kind, b in jobs]
+                 measure_time and kind is not ProbeKind.SPLIT) for kind, b in jobs]
     many = getattr(calibrator, "profile_many", None)
     done = (many(problem, requests) if many is not None
             else ((i, calibrator.profile(problem, *request)) for i, request in enumerate(requests)))
@@ -315,7 +297,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     can_shard, loop = problem.can_shard(), problem.loop_mask()
     probed, last_saving = {}, None
-    for b in fitted:
+    for b in sorted({sizes[0], sizes[-1]}):
         got = {kind: runs[kind, b][0] for kind in kinds}
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
@@ -332,23 +314,12 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
     remat = {b: {} for b in probed}
-    if lean:  # the smallest size from the largest: per-byte terms kept, per-sample ones scaled
-        (b0, b1), top = (sizes[0], sizes[-1]), probed[sizes[-1]]
-        probed[b0] = dataclasses.replace(top, replicate=runs[ProbeKind.REPLICATE, b0][0],
-                                         unit_flops=top.unit_flops * b0 / b1)
-    base = ProbeKind.LAYER if ProbeKind.LAYER in kinds else ProbeKind.ZERO3
-    remat = {b: {} for b in probed}
     for kind in remat_kinds(problem, policies):
         for b in probed:
-            prof, top = runs[kind, b][0], runs[base, sizes[-1]][0]
-            # lean, the base layout's temp at b0: R's there, less what sharding saves at the top
-            # (temp_R - temp_base: weight bytes, kappa's, which holds across batch sizes)
-            full = (runs[base, b][0].temp_bytes if (base, b) in runs else
-                    runs[ProbeKind.REPLICATE, b][0].temp_bytes - runs[ProbeKind.REPLICATE, sizes[-1]][0].temp_bytes
-                    + top.temp_bytes)
-            flops = top.flops * b / sizes[-1] if (base, b) not in runs else runs[base, b][0].flops
-            remat[b][kind.remat] = ((prof.temp_bytes - full) / layers,
-                                    probed[b].compute_scale * (prof.flops - flops) / hw.flops / layers)
+            base = ProbeKind.LAYER if (ProbeKind.LAYER, b) in runs else ProbeKind.ZERO3
+            full, prof = runs[base, b][0], runs[kind, b][0]
+            remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
+                                    probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
             log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])
     if len(probed) == 2:
         (b0, r0), (b1, r1) = sorted(remat.items())

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from ._calibration import OVERLAPS, PROBES, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
+from ._calibration import OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -52,8 +52,6 @@ class PlanOptions:
     verify: bool | str = True  # compile the chosen plan for XLA's figures and re-plan if its peak exceeds
     #                            the budget; "full": compile it to run (training reuses it); False: no
     measure_time: bool = False  # time the probes on the mesh and scale the time model to them
-    probes: str = "lean"  # "lean": every probe kind at the largest batch size, the all-replicated one
-    #                       also at the smallest; "full": every kind at both (``_calibration.calibrate``)
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
     remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
     per_layer: bool = True  # decide each layer of a stack (segments); False: one choice per stack
@@ -84,9 +82,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         within 10% of the budget: for a plan trained at once, one compile less in all; False: trust
         the model),
         ``measure_time`` (runs the probes on the
-        mesh; it allocates their memory), ``probes`` (``"lean"``, the default: every probe kind
-        compiled at the largest batch size and only the all-replicated step at the smallest, the
-        per-byte terms taken from the largest; ``"full"``: every kind at both sizes), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
+        mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
         ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
         takes the same choice, one segment), ``units`` (``fnmatch`` patterns of the submodules
@@ -119,9 +115,6 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if o.verify not in (True, False, "figures", "full"):
         raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
                          f"(compile the step training then runs) or False (trust the model), got {o.verify!r}")
-    if o.probes not in PROBES:
-        raise ValueError(f"probes must be one of {list(PROBES)} (\"lean\": the per-byte terms fitted at the "
-                         f"largest batch size only; \"full\": at both), got {o.probes!r}")
     policies = _policies(o.remat)
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
@@ -249,8 +242,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
                          for b, x in batches.items()}
     else:
         probe_batches = batches
-    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies,
-                            o.probes)
+    calibrated = (calibrate(problem, calibrator, probe_batches, hw, o.measure_time, _progress, policies)
                   if o.loss_fn is not None else uncalibrated(batches))
     problem = problem.with_accumulation() if m > 1 else problem  # where each gradient is summed, searched too
     t0 = time.perf_counter()
@@ -275,7 +267,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return out
 
     overlap_key = _overlap_key(calibrator, problem, probe_batches)
-    overlap_key = overlap_key if overlap_key is None else (overlap_key, m, o.probes)  # fitted on those figures
+    overlap_key = overlap_key if overlap_key is None or m == 1 else (overlap_key, m)
     fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
     scale = UNIT_SCALES.get(overlap_key, 1.0) if overlap_key is not None else 1.0
     tables = tables_for(fitted or 0.0, scale)
