@@ -13,7 +13,8 @@ def enable_compilation_cache(path, min_compile_seconds: float = 0.0) -> pathlib.
 
     Call it before the first compile. A step or probe compiled before (same program, same devices,
     same jax version) is then read from disk instead of compiled: the planner's probe steps when
-    planning again, and the train step the planner compiled to verify its plan. One cache folder
+    planning again, and the train step (the one ``plan(verify="full")`` compiled, or
+    ``make_train_step``'s). One cache folder
     per process: concurrent writers are not supported.
     """
     path = pathlib.Path(os.path.expanduser(str(path))).absolute()

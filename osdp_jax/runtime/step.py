@@ -416,7 +416,8 @@ def jit_step(step):
 
 
 # --- compiled steps kept for reuse ------------------------------------------------------------
-# The planner's verification compile is the train step's compile: ``compile_counted`` keeps the
+# Under ``plan(verify="full")`` the planner's verification compile is the train step's compile
+# (by default the plan is compiled for its figures only, and not kept): ``compile_counted`` keeps the
 # last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
 # the step options and the inputs' shapes, dtypes and shardings; ``make_train_step`` runs one of
 # them instead of compiling the same step again, and ``compile_counted`` returns one it already
@@ -488,7 +489,7 @@ class TrainStep:
     Calling a jitted function with an array that an earlier call donated fails deep inside jax;
     this checks the arguments first. ``lower`` is the jitted function's. With ``reuse`` (the
     loss function, optimizer, mesh, layout and options it was made from), a call whose inputs
-    match a step compiled earlier in this process (the planner's verification compile) runs that
+    match a step compiled earlier in this process (the planner's ``verify="full"`` compile) runs that
     executable instead of compiling again; ``reused`` says whether the last call did.
     """
 
