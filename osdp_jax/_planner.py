@@ -50,7 +50,7 @@ class PlanOptions:
     axis: object = None  # data-parallel mesh axes (default all)
     splits: tuple[int, ...] = DEFAULT_SPLITS  # candidate split counts for sharded dense kernels
     verify: bool | str = True  # compile the chosen plan for XLA's figures and re-plan if its peak exceeds
-    #                            the budget; "full": compile it to run (training reuses it); False: no
+    #                            the budget; "full": compile it to run (training reuses it); False: none
     measure_time: bool = False  # time the probes on the mesh and scale the time model to them
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
     remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
