@@ -419,7 +419,8 @@ def jit_step(step):
 # Under ``plan(verify="full")`` the planner's verification compile is the train step's compile
 # (by default the plan is compiled for its figures only, and not kept): ``compile_counted`` keeps the
 # last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
-# the step options and the inputs' shapes, dtypes and shardings; ``make_train_step`` runs one of
+# the step options and the inputs' shapes, dtypes and shardings (each kept as ``(compiled, FLOPs
+# XLA leaves out)``, so a step found here is not traced again); ``make_train_step`` runs one of
 # them instead of compiling the same step again, and ``compile_counted`` returns one it already
 # has (a plan whose layout a probe or an earlier plan compiled).
 _COMPILED: "collections.OrderedDict" = collections.OrderedDict()
@@ -502,7 +503,8 @@ class TrainStep:
         if self._reuse is None:
             return None
         key = _reuse_key(*self._reuse, args)
-        return _COMPILED.get(key) if key is not None else None
+        kept = _COMPILED.get(key) if key is not None else None
+        return None if kept is None else kept[0]
 
     def _check_batch_size(self, args):
         if self._batch_size is None or len(args) <= self._batch_arg:
@@ -681,18 +683,20 @@ def _prepare(loss_fn, optimizer, params, batch, mesh, plan, figures_only: bool |
     args = abstract_args(optimizer, params, batch, mesh, plan)
     options.setdefault("microbatches", getattr(plan, "microbatches", 1))
     step_options = StepOptions(**options)
-    traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
     key = _reuse_key(loss_fn, optimizer, mesh, plan, step_options, args)
-    kept, compiled = _COMPILED, _COMPILED.get(key) if key is not None else None  # a runnable one serves all
-    if compiled is None and purpose != "run":
-        kept, (key, compiled) = _FIGURES, _kept_figures(key, purpose)
-    lowered = traced.lower() if compiled is None else None
-    return _Pending(key, kept, lowered, _options(purpose, mesh), loop_flops(traced.jaxpr), compiled)
+    kept, found = _COMPILED, _COMPILED.get(key) if key is not None else None  # a runnable one serves all
+    if found is None and purpose != "run":
+        kept, (key, found) = _FIGURES, _kept_figures(key, purpose)
+    if found is not None:  # kept with its FLOPs: not traced again (a second on a 48-layer model)
+        return _Pending(key, kept, None, None, found[1], found[0])
+    traced = jit_step(build_step(loss_fn, optimizer, mesh, plan, step_options)).trace(*args)
+    return _Pending(key, kept, traced.lower(), _options(purpose, mesh), loop_flops(traced.jaxpr))
 
 
 def _kept_figures(key, purpose: str) -> tuple:
     """The key a step compiled for its figures as ``purpose`` is kept under in ``_FIGURES``, and
-    that step if it is kept (None, None for a step that cannot be keyed)."""
+    that step, as ``(compiled, FLOPs XLA leaves out)``, if it is kept (None, None for a step that
+    cannot be keyed)."""
     key = None if key is None else (key, purpose)
     return key, _FIGURES.get(key) if key is not None else None
 
@@ -720,7 +724,8 @@ def _finish(pending: _Pending, compiled=None, seconds: float = 0.0):
         _COMPILE_SECONDS += seconds
         pending.compiled = compiled
     if pending.key is not None:
-        _keep(pending.kept, pending.key, pending.compiled, _KEEP_FIGURES if pending.kept is _FIGURES else _KEEP)
+        _keep(pending.kept, pending.key, (pending.compiled, pending.missing_flops),
+              _KEEP_FIGURES if pending.kept is _FIGURES else _KEEP)
     return pending.compiled, pending.missing_flops
 
 
@@ -780,7 +785,7 @@ def profile_checked(loss_fn, optimizer, params, batch, mesh, plan, fits, **optio
         return profile_compiled(*_finish(pending))
     key, kept = _kept_figures(pending.key, "probe")
     quick = profile_compiled(*_compiled(_Pending(key, _FIGURES, pending.lowered, _options("probe", mesh),
-                                                 pending.missing_flops, kept)))
+                                                 pending.missing_flops, None if kept is None else kept[0])))
     return profile_compiled(*_compiled(pending)) if fits(quick) else quick
 
 
