@@ -88,6 +88,7 @@ def _batch_size(batch) -> int:
 _PROBES: dict = {}  # in-process probe cache: key (see XlaCalibrator._key) -> (StepProfile, seconds)
 OVERLAPS: dict = {}  # in-process: the pool overlap fitted per model on a compiled plan (``_planner``)
 UNIT_SCALES: dict = {}  # in-process: the scale of the units' savings refitted per model on a compiled plan
+MARGINS: dict = {}  # in-process: the largest share XLA needed over the model on a plan of this model that missed
 
 
 MAX_THREADS = 8  # compile threads XlaCalibrator uses at most by default (each compile holds its HLO)
@@ -102,10 +103,11 @@ def compile_threads() -> int:
 
 def clear_probe_cache() -> None:
     """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``), and the
-    pool overlaps and unit scales fitted on compiled plans."""
+    pool overlaps, unit scales and error margins fitted on compiled plans."""
     _PROBES.clear()
     OVERLAPS.clear()
     UNIT_SCALES.clear()
+    MARGINS.clear()
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import optax
 
-from ._calibration import OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
+from ._calibration import MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -310,10 +310,25 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
         peak_of = verified(peak_of_plan)
 
+    # the largest share XLA needed over the model on an earlier compiled plan of this model (kept
+    # in MARGINS): the first search leaves it free (a re-plan at another budget, a sweep, meets
+    # the same error), unless that costs over MARGIN_COST of the predicted samples/s
+    share = MARGINS.get(overlap_key, 0.0) if overlap_key is not None else 0.0
+    carried = [budget * share / (1 + share)]  # [bytes]: 0 once refitted
+    errors: list = []
+
     def run(tables, first, known, overlap, unit_scale=scale, floor=None):
+        if carried[0] > 0 and first is not None and first[0] > 0:
+            # the fastest plan under the margin, or a compiled layout that fits by XLA (a probe's),
+            # unless it is predicted over MARGIN_COST slower: then the search's choice is tried
+            ready = [c for c, peak in known if peak <= budget]
+            take = [c for c in (*ready, _search(tables, budget - carried[0], fronts)[0]) if c is not None]
+            safe = max(take, key=lambda c: c[0], default=None)
+            first = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * first[0] else first
         return verify(first, budget, lambda limit, lessons: _search(tables, limit, fronts, lessons)[0],
                       lambda: _least_memory(tables),
-                      functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor)
+                      functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor,
+                      carried[0], errors)
 
     def replan(tables, overlap, unit_scale=scale):
         """The compiled candidate costed on ``tables`` (refitted) with its XLA peak, or the search's
@@ -328,6 +343,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
 
     plan = run(tables, best, known, fitted or 0.0, floor=floor)
+    if overlap_key is not None and errors:
+        MARGINS[overlap_key] = max(share, *errors)
     _, size, sol, _, _, _ = compiled["candidate"]
     # judged by the model alone: a verification's lessons (charges on the layers a miss changed)
     # are in the plan's prediction, and would hide an error every plan shares
@@ -341,6 +358,8 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     if overlap is not None and overlap != fitted:
         if overlap_key is not None:
             OVERLAPS[overlap_key] = overlap
+            MARGINS.pop(overlap_key, None)  # the misses were the old overlap's
+        carried[0] = 0.0
         # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
         # `overlap` of the smaller pool beside the larger: search again with that, and keep the
         # faster of the two plans (both fit by XLA), each predicted with the fitted overlap
@@ -359,11 +378,14 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     new = float(np.clip((without - plan.xla_peak_bytes) / saved, 0.0, 2.0))
     if overlap_key is not None:
         UNIT_SCALES[overlap_key] = new
+        MARGINS.pop(overlap_key, None)
+    carried[0] = 0.0
     log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
              new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
     return replan(tables_for(ours, new), ours, new)
 
 
+MARGIN_COST = 0.01  # a re-plan gives up at most this share of predicted samples/s to leave an earlier miss's error free
 REFIT = 0.05  # a compiled plan predicted further than this from XLA's peak refits the pool overlap or the unit scale
 CHECK_ABOVE = 0.9  # a plan predicted above this share of the budget is compiled as a probe before in full
 

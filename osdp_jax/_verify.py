@@ -19,6 +19,11 @@ times), under a budget lowered by the model's error, and with what the misses ta
   as it was. So a plan whose one changed layer XLA needs 1 GiB more for is not paid for by
   lowering the whole budget by 1 GiB.
 
+An earlier plan of the same model that XLA needed more for than predicted leaves that error e_c
+carried in (``shared``, from ``_planner``'s per-model record, kept as a share of the plan's
+prediction): a first miss here then lowers the budget by max(e_c, e), two errors seen, not LIKE
+times one.
+
 Then the plan that needs the least memory (``_search.least_memory``) is tried. If even that does
 not fit, its XLA peak is the smallest budget to report.
 """
@@ -81,7 +86,8 @@ def _lesson(missed, error: float, attempts: list) -> Lesson | None:
 
 
 def verify(first, budget: int, search: Callable, least_memory: Callable, build: Callable,
-           xla_peak: Callable, known=(), floor: float | None = None):
+           xla_peak: Callable, known=(), floor: float | None = None, shared: float = 0.0,
+           errors: list | None = None):
     """The best plan whose XLA peak fits ``budget``, built with that peak recorded.
 
     Args:
@@ -97,6 +103,10 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         among them is verified by its figure, with no compile. When the search's choices do not
         fit, the fastest known one that fits is taken unless the least-memory candidate is
         predicted faster and fits; the minimum reported never exceeds a peak that was measured.
+      shared: bytes, an earlier plan's error carried in (see the module docstring); 0: none.
+      errors: when given, each compiled plan XLA needed more for than predicted (a miss not put
+        down to what it changed, or the plan that fits) appends that error as a share of its
+        predicted peak (``_planner`` keeps the largest for the model).
       floor: when the search's choice does not fit and what it finds next is predicted slower
         than this (samples/s, a candidate's first field), or it finds nothing, give up at once
         (:class:`Superseded`): another plan predicted that fast is waiting to be verified.
@@ -106,17 +116,21 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
       InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured
         (the least-memory plan's or a probe's).
     """
-    best, shared, attempts, lessons = first, 0.0, [], []
+    best, attempts, lessons, carried = first, [], [], shared
     for attempt in range(MAX_TRIES if first is not None else 0):
         plan = build(best)
         measured = next((peak for c, peak in known if _same(c, best)), None)  # a probe's layout: compiled
         measured = xla_peak(plan) if measured is None else measured
-        if measured <= budget:
-            return build(best, measured)
         error = measured - plan.predicted_peak_bytes
+        if measured <= budget:
+            if errors is not None and error > 0:  # it fits, but XLA needed more than the model said
+                errors.append(error / plan.predicted_peak_bytes)
+            return build(best, measured)
         lesson = _lesson(best, error, attempts)
         if lesson is None:
             shared = max(shared, error)
+            if errors is not None:
+                errors.append(error / plan.predicted_peak_bytes)
         else:
             lessons.append(lesson)
         attempts.append((best, error))
@@ -124,7 +138,8 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
                  format_bytes(measured), format_bytes(plan.predicted_peak_bytes), format_bytes(budget),
                  "" if lesson is None else f" with its {len(lesson.items)} changed item(s) charged "
                  f"{format_bytes(lesson.excess)} more")
-        margin = LIKE * shared
+        # one error seen: LIKE times it; with an earlier plan's error carried in, the larger of the two
+        margin = shared if carried > 0 and len(attempts) == 1 else LIKE * shared
         best = search(budget - margin, tuple(lessons))
         if best is None and shared > 0:  # nothing under twice the error: under the error itself
             margin = shared

@@ -404,3 +404,51 @@ def test_a_loss_written_again_finds_its_probes(mesh):
     other = osdp_jax.plan(params, mesh, loss_fn=lambda p, b: 2.0 * toy.plain_loss(p, b), **kw)
     assert first.compiles > 0 and again.compiles == 0 and other.compiles == first.compiles
     assert again.layout == first.layout
+
+
+def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monkeypatch, request):
+    """XLA needing 8% over the model on every plan (a fake, on top of the compile; no pool overlap
+    fitted to absorb it): the first plan misses, and its error, as a share of its prediction, is
+    kept for the model (``_calibration.MARGINS``). The next plan at another budget is searched
+    with that share left free: one compile, and a faster plan than the one found by missing and
+    re-planning under twice the error. Here the margin costs more speed than ``MARGIN_COST``
+    (1%), so by default the search's own choice is tried first; its miss re-plans under the
+    carried error, to the same plan."""
+    import dataclasses
+
+    from experiments.benchmarks import foreign
+    from osdp_jax import _calibration, _planner
+    from osdp_jax.runtime.step import clear_compiled
+    params, loss_fn, batch = foreign.plain_mlp(layers=6, d=128, batch=64)
+    opt = optax.adam(1e-3)
+    lo, hi = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
+              for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
+    real = _planner.profile_step
+
+    def over(*args, **kwargs):
+        p = real(*args, **kwargs)
+        return dataclasses.replace(p, temp_bytes=p.temp_bytes + int(0.08 * p.peak_bytes))
+
+    monkeypatch.setattr(_planner, "profile_step", over)
+    monkeypatch.setattr(_planner, "_refit_overlap", lambda *a, **k: None)
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
+
+    def at(frac):
+        clear_compiled()  # every verification compiled again (and counted)
+        return osdp_jax.plan(params, mesh, budget=int(lo + frac * (hi - lo)), **kw)
+
+    osdp_jax.planning.clear_probe_cache()
+    request.addfinalizer(osdp_jax.planning.clear_probe_cache)  # no later test meets the fake's margin
+    first = at(0.5)
+    assert first.compiles == 4  # two probes, the miss, the plan that fits
+    (share,) = _calibration.MARGINS.values()
+    assert share == pytest.approx(0.08, abs=0.005)
+    tried = at(0.8)  # by default: the search's choice tried, missed, then re-planned under the share
+    assert tried.compiles == 2 and tried.xla_peak_bytes <= tried.budget_bytes
+    monkeypatch.setattr(_planner, "MARGIN_COST", 1.0)
+    carried = at(0.8)  # any speed given up for a compile: the share left free at once
+    assert carried.compiles == 1 and carried.layout == tried.layout
+    _calibration.MARGINS.clear()
+    missed = at(0.8)  # nothing carried: a miss, then twice its error left free
+    assert missed.compiles == 2 and missed.xla_peak_bytes <= missed.budget_bytes
+    assert missed.predicted_samples_per_second < carried.predicted_samples_per_second

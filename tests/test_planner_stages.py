@@ -170,6 +170,32 @@ def test_a_miss_is_put_down_to_the_items_that_changed():
     assert calls[:2] == [(60.0, ()), (46.0, ())]
 
 
+def test_an_error_carried_from_an_earlier_plan_is_the_first_margin():
+    """``verify(shared=)``: an earlier plan's error (bytes) carried in. A miss then re-plans under the
+    larger of the two errors, not twice the new one (two errors seen, not one); each compiled
+    plan's error over its prediction, the miss's and the fitting plan's, is reported as a share
+    of its prediction in ``errors``."""
+    predicted = {"a": 100.0, "b": 90.0}
+    build = lambda c, xla_peak=None: _Candidate(c[3], predicted[c[3]]) if xla_peak is None else (c[3], xla_peak)  # noqa: E731
+    xla = {"a": 110, "b": 99}
+    limits, errors = [], []
+
+    def search(limit, lessons):
+        limits.append(limit)
+        return _cand("b", choices=(0, 1, 0))
+
+    got = verify(_cand("a"), 100, search, lambda: _cand("least"), build, lambda p: xla[p.name], shared=12.0,
+                 errors=errors)
+    assert got == ("b", 99) and limits == [88.0]  # max(12, 10) below
+    assert errors == [0.1, 0.1]  # a's 10 over its 100, b's 9 over its 90
+    limits.clear()
+    verify(_cand("a"), 100, search, lambda: _cand("least"), build, lambda p: xla[p.name], shared=4.0)
+    assert limits == [90.0]  # max(4, 10)
+    limits.clear()
+    verify(_cand("a"), 100, search, lambda: _cand("least"), build, lambda p: xla[p.name])
+    assert limits == [80.0]  # nothing carried: twice the one error seen
+
+
 def test_a_planned_miss_is_charged_to_what_it_changed(mesh, recorded, monkeypatch):
     """plan() end to end on recorded probes, with a fake XLA: every plan needs ``small`` over its
     prediction (the first misses by 0.5% of the budget), and a plan that moves any parameter the
