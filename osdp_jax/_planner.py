@@ -100,6 +100,12 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         takes it with those flags (``osdp_jax._loss.PlainLoss``: the probes see zeros of the
         state's shapes and a fixed key, and only the loss).
 
+    What compiled plans of a model teach the planner is kept in the process for its next plans
+    (``planning.clear_probe_cache`` forgets it): the probes, the pool overlap, the units' scale,
+    and the largest share of memory XLA needed over the model's prediction; a later plan of the
+    model leaves that share of its budget free (verified or not), unless that costs more than
+    ``MARGIN_COST`` (1%) of predicted samples/s, when the search's own choice is tried first.
+
     A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
     cut it into segments with their own strategy, split count and remat policy
     (``Plan.segments``).
@@ -292,6 +298,18 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
                                           (time.perf_counter() - start, *counts), overlap, unit_scale),
                                    microbatches=m)
 
+    # the largest share XLA needed over the model on an earlier compiled plan of this model (kept
+    # in MARGINS, as the pool overlap is kept): the plan leaves it free (a re-plan at another
+    # budget, a sweep, meets the same error), unless that costs over MARGIN_COST of the predicted
+    # samples/s; then the search's choice is verified first
+    share = MARGINS.get(overlap_key, 0.0) if overlap_key is not None else 0.0
+    carried = [budget * share / (1 + share)]  # [bytes]: 0 once refitted
+    errors: list = []
+    if carried[0] > 0 and best is not None and best[0] > 0:
+        ready = [c for c, peak in known if peak <= budget]  # compiled layouts (probes') that fit by XLA
+        take = [c for c in (*ready, _search(tables, budget - carried[0], fronts)[0]) if c is not None]
+        safe = max(take, key=lambda c: c[0], default=None)
+        best = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * best[0] else best
     if not verifying:
         return build(best)
     # by default compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU within 1 KiB
@@ -310,21 +328,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
 
         peak_of = verified(peak_of_plan)
 
-    # the largest share XLA needed over the model on an earlier compiled plan of this model (kept
-    # in MARGINS): the first search leaves it free (a re-plan at another budget, a sweep, meets
-    # the same error), unless that costs over MARGIN_COST of the predicted samples/s
-    share = MARGINS.get(overlap_key, 0.0) if overlap_key is not None else 0.0
-    carried = [budget * share / (1 + share)]  # [bytes]: 0 once refitted
-    errors: list = []
-
     def run(tables, first, known, overlap, unit_scale=scale, floor=None):
-        if carried[0] > 0 and first is not None and first[0] > 0:
-            # the fastest plan under the margin, or a compiled layout that fits by XLA (a probe's),
-            # unless it is predicted over MARGIN_COST slower: then the search's choice is tried
-            ready = [c for c, peak in known if peak <= budget]
-            take = [c for c in (*ready, _search(tables, budget - carried[0], fronts)[0]) if c is not None]
-            safe = max(take, key=lambda c: c[0], default=None)
-            first = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * first[0] else first
         return verify(first, budget, lambda limit, lessons: _search(tables, limit, fronts, lessons)[0],
                       lambda: _least_memory(tables),
                       functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor,

@@ -411,9 +411,9 @@ def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monke
     fitted to absorb it): the first plan misses, and its error, as a share of its prediction, is
     kept for the model (``_calibration.MARGINS``). The next plan at another budget is searched
     with that share left free: one compile, and a faster plan than the one found by missing and
-    re-planning under twice the error. Here the margin costs more speed than ``MARGIN_COST``
-    (1%), so by default the search's own choice is tried first; its miss re-plans under the
-    carried error, to the same plan."""
+    re-planning under twice the error; ``verify=False`` plans with it too. Here the margin costs
+    more speed than ``MARGIN_COST`` (1%), so by default the search's own choice is tried first;
+    its miss re-plans under the carried error, to the same plan."""
     import dataclasses
 
     from experiments.benchmarks import foreign
@@ -448,6 +448,8 @@ def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monke
     monkeypatch.setattr(_planner, "MARGIN_COST", 1.0)
     carried = at(0.8)  # any speed given up for a compile: the share left free at once
     assert carried.compiles == 1 and carried.layout == tried.layout
+    unverified = osdp_jax.plan(params, mesh, budget=carried.budget_bytes, verify=False, **kw)
+    assert unverified.layout == carried.layout  # the model as compiled plans corrected it, as the pool overlap
     _calibration.MARGINS.clear()
     missed = at(0.8)  # nothing carried: a miss, then twice its error left free
     assert missed.compiles == 2 and missed.xla_peak_bytes <= missed.budget_bytes
