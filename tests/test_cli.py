@@ -108,8 +108,9 @@ def test_budget_sweep_table_and_plot(tmp_path):
             for b, m, fits, sps in [(4, "DDP", False, None), (4, "FSDP", False, None), (4, "OSDP", False, None),
                                     (6, "DDP", False, None), (6, "FSDP", True, 50.0), (6, "OSDP", True, 55.0),
                                     (8, "DDP", True, 40.0), (8, "FSDP", True, 57.0), (8, "OSDP", True, 61.0)]]
-    text = sweep_markdown("m", rows)
+    text = sweep_markdown("m", rows, 12.34)
     assert "| budget | DDP | FSDP | OSDP | planning s (all methods) |" in text
+    assert text.rstrip().endswith("The whole sweep: 12.3 s of planning.")
     assert "| 4.00 GiB | - | - | - | 3.0 |" in text and "| 6.00 GiB | - | 50.0 | 55.0 | 3.0 |" in text
     plot_sweep("m", rows, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
