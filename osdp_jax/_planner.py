@@ -389,7 +389,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     return replan(tables_for(ours, new), ours, new)
 
 
-MARGIN_COST = 0.01  # a re-plan gives up at most this share of predicted samples/s to leave an earlier miss's error free
+MARGIN_COST = 0.01  # a plan gives up at most this share of predicted samples/s to leave an earlier plan's error free
 REFIT = 0.05  # a compiled plan predicted further than this from XLA's peak refits the pool overlap or the unit scale
 CHECK_ABOVE = 0.9  # a plan predicted above this share of the budget is compiled as a probe before in full
 
