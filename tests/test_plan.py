@@ -454,3 +454,24 @@ def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monke
     missed = at(0.8)  # nothing carried: a miss, then twice its error left free
     assert missed.compiles == 2 and missed.xla_peak_bytes <= missed.budget_bytes
     assert missed.predicted_samples_per_second < carried.predicted_samples_per_second
+
+
+def test_a_kept_step_is_found_without_tracing_it_again(mesh, setup):
+    """A step compiled before in the process (kept, ``runtime.step``) is found by its key before
+    any trace: the loss is not called again, nothing is compiled, and the figures, FLOPs with the
+    loop iterations XLA leaves out included, are the first compile's."""
+    from osdp_jax.runtime.step import clear_compiled, compile_count
+    params, loss_fn, batch, opt = setup
+    calls = []
+
+    def loss(p, b):
+        calls.append(1)
+        return loss_fn(p, b)
+    layout = osdp_jax.Layout.fsdp(params, mesh)
+    for figures_only in (False, "probe"):  # kept to run; kept for the figures only
+        clear_compiled()
+        first = osdp_jax.profile_step(loss, opt, params, batch, mesh, layout, figures_only=figures_only)
+        traced, n = len(calls), compile_count()
+        again = osdp_jax.profile_step(loss, opt, params, batch, mesh, layout, figures_only=figures_only)
+        assert traced > 0 and len(calls) == traced and compile_count() == n
+        assert again == first
