@@ -88,7 +88,7 @@ def _batch_size(batch) -> int:
 _PROBES: dict = {}  # in-process probe cache: key (see XlaCalibrator._key) -> (StepProfile, seconds)
 OVERLAPS: dict = {}  # in-process: the pool overlap fitted per model on a compiled plan (``_planner``)
 UNIT_SCALES: dict = {}  # in-process: the scale of the units' savings refitted per model on a compiled plan
-MARGINS: dict = {}  # in-process: the largest share XLA needed over the model on a plan of this model that missed
+MARGINS: dict = {}  # in-process: the largest share XLA needed over the prediction on a compiled plan per model
 
 
 MAX_THREADS = 8  # compile threads XlaCalibrator uses at most by default (each compile holds its HLO)

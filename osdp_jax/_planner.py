@@ -303,11 +303,11 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     # budget, a sweep, meets the same error), unless that costs over MARGIN_COST of the predicted
     # samples/s; then the search's choice is verified first
     share = MARGINS.get(overlap_key, 0.0) if overlap_key is not None else 0.0
-    carried = [budget * share / (1 + share)]  # [bytes]: 0 once refitted
+    carried = budget * share / (1 + share)  # bytes; 0 once a refit changes the model (run reads it late)
     errors: list = []
-    if carried[0] > 0 and best is not None and best[0] > 0:
+    if carried > 0 and best is not None and best[0] > 0:
         ready = [c for c, peak in known if peak <= budget]  # compiled layouts (probes') that fit by XLA
-        take = [c for c in (*ready, _search(tables, budget - carried[0], fronts)[0]) if c is not None]
+        take = [c for c in (*ready, _search(tables, budget - carried, fronts)[0]) if c is not None]
         safe = max(take, key=lambda c: c[0], default=None)
         best = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * best[0] else best
     if not verifying:
@@ -332,7 +332,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         return verify(first, budget, lambda limit, lessons: _search(tables, limit, fronts, lessons)[0],
                       lambda: _least_memory(tables),
                       functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor,
-                      carried[0], errors)
+                      carried, errors)
 
     def replan(tables, overlap, unit_scale=scale):
         """The compiled candidate costed on ``tables`` (refitted) with its XLA peak, or the search's
@@ -363,7 +363,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
         if overlap_key is not None:
             OVERLAPS[overlap_key] = overlap
             MARGINS.pop(overlap_key, None)  # the misses were the old overlap's
-        carried[0] = 0.0
+        carried = 0.0
         # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
         # `overlap` of the smaller pool beside the larger: search again with that, and keep the
         # faster of the two plans (both fit by XLA), each predicted with the fitted overlap
@@ -383,7 +383,7 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     if overlap_key is not None:
         UNIT_SCALES[overlap_key] = new
         MARGINS.pop(overlap_key, None)
-    carried[0] = 0.0
+    carried = 0.0
     log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
              new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
     return replan(tables_for(ours, new), ours, new)

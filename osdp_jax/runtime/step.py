@@ -417,8 +417,8 @@ def jit_step(step):
 
 # --- compiled steps kept for reuse ------------------------------------------------------------
 # Under ``plan(verify="full")`` the planner's verification compile is the train step's compile
-# (by default the plan is compiled for its figures only, and not kept): ``compile_counted`` keeps the
-# last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
+# (by default it is compiled for its figures only, kept apart below and never run):
+# ``compile_counted`` keeps the last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
 # the step options and the inputs' shapes, dtypes and shardings (each kept as ``(compiled, FLOPs
 # XLA leaves out)``, so a step found here is not traced again); ``make_train_step`` runs one of
 # them instead of compiling the same step again, and ``compile_counted`` returns one it already
