@@ -2,7 +2,7 @@
 
 Activations, temporaries and FLOPs are not modelled from first principles; they are read off
 compiled *probe* steps of the real loss (:class:`ProbeKind`), at the smallest and largest
-candidate batch size, and interpolated between (``_cost.fit``, ``_cost.interpolate``). With
+candidate batch size (the remat and split probes at the largest only: ``calibrate``), and interpolated between (``_cost.fit``, ``_cost.interpolate``). With
 ``measure_time`` the probes are also run and timed, and the compute and collective seconds scaled
 to the measurements (``_cost.fit_time``).
 
@@ -275,18 +275,32 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
     return [k for k in (ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE) if k.remat in policies]
 
 
+# probe kinds compiled at the largest batch size only, their terms scaled to the others (``calibrate``)
+AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE})
+
+
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
               progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
     """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
     (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
-    the remat policies' per-layer terms, from one probe per policy at the same two sizes,
-    interpolated between them too."""
+    the remat policies' per-layer terms, from one probe per policy at the largest size only.
+
+    The remat terms and the split's saving (sigma) are probed at the largest size B only and
+    scaled to each size b in proportion, ``term(b) = term(B) b / B``: what a remat policy saves
+    or recomputes is activations, and what a split saves grows with them, both close to linear
+    in the batch through zero (measured, ``experiments/results/probe_cuts.md``). The other
+    probes are compiled at both ends: their temp is a max of pools (replicated gradients,
+    gathered weights, activations), not a sum, and a difference at one size does not carry to
+    another (on gpt2-48l-1536 the all-replicated step's temp is the gradient pool's at every
+    size)."""
     sizes = sorted(batches)
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
-    jobs = [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in kinds]
-    jobs += [(kind, b) for b in sorted({sizes[0], sizes[-1]}) for kind in remat_kinds(problem, policies)]
+    top = sizes[-1]
+    jobs = [(kind, b) for b in sorted({sizes[0], top}) for kind in kinds if kind not in AT_TOP or b == top]
+    jobs += [(kind, b) for b in sorted({sizes[0], top}) for kind in remat_kinds(problem, policies)
+             if kind not in AT_TOP or b == top]
     jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
@@ -300,7 +314,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     can_shard, loop = problem.can_shard(), problem.loop_mask()
     probed, last_saving = {}, None
     for b in sorted({sizes[0], sizes[-1]}):
-        got = {kind: runs[kind, b][0] for kind in kinds}
+        got = {kind: runs[kind, b][0] for kind in kinds if (kind, b) in runs}
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
@@ -314,20 +328,22 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
+    if ProbeKind.SPLIT in AT_TOP and (ProbeKind.SPLIT, top) in runs:  # its saving in proportion
+        probed = {b: dataclasses.replace(c, sigma=probed[top].sigma * b / top) for b, c in probed.items()}
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
-    remat = {b: {} for b in probed}
+    ends, remat = sorted(probed), {b: {} for b in sizes}
     for kind in remat_kinds(problem, policies):
-        for b in probed:
+        terms = {}  # probed size -> (temp bytes, compute seconds) per layer, against "full"
+        for b in [top] if kind in AT_TOP else ends:
             base = ProbeKind.LAYER if (ProbeKind.LAYER, b) in runs else ProbeKind.ZERO3
             full, prof = runs[base, b][0], runs[kind, b][0]
-            remat[b][kind.remat] = ((prof.temp_bytes - full.temp_bytes) / layers,
-                                    probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
-            log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *remat[b][kind.remat])
-    if len(probed) == 2:
-        (b0, r0), (b1, r1) = sorted(remat.items())
-        for b in sizes:
-            w = (b - b0) / (b1 - b0)
-            remat[b] = {p: tuple(x + w * (y - x) for x, y in zip(r0[p], r1[p])) for p in r0}
+            terms[b] = ((prof.temp_bytes - full.temp_bytes) / layers,
+                        probed[b].compute_scale * (prof.flops - full.flops) / hw.flops / layers)
+            log.info("batch %d, remat %s: %+.0f bytes and %+.3g s per layer", b, kind.remat, *terms[b])
+        for b in sizes:  # in proportion from the largest size, or linear between the two ends
+            lo, at_lo = (0, (0.0, 0.0)) if len(terms) == 1 else (ends[0], terms[ends[0]])
+            w = (b - lo) / (top - lo)
+            remat[b][kind.remat] = tuple(x + w * (y - x) for x, y in zip(at_lo, terms[top]))
     return Calibrated({b: probed[b] if b in probed else interpolate(probed, b) for b in sizes},
                       {job: prof for job, (prof, _) in runs.items()}, {b: remat[b] for b in sizes})
 

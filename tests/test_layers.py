@@ -246,6 +246,48 @@ def test_budget_between_two_stack_uniform_plans_is_met_by_segments():
     assert checked
 
 
+def test_split_and_remat_probes_run_at_the_largest_batch_size_and_scale_in_proportion(monkeypatch):
+    """The split and remat probes are compiled at the largest batch size only, and their terms
+    taken to the smallest in proportion to the batch (``_calibration.AT_TOP``); the other
+    probes run at both ends. With the cut undone, every kind runs at both and the remat terms at
+    the smallest size are its own probes'."""
+    from osdp_jax import _calibration
+    from osdp_jax._loss import PlainLoss
+    _, params, loss_fn, batch = toy.stack_setup()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    loss = PlainLoss.of(loss_fn, False, False, None)
+    problem = osdp_jax.planning.build_problem(params, mesh, ("data",), ("replicate", "zero3"), (1, 2, 4), loss, batch,
+                                              ())
+    asked = []
+
+    class Spy(RecordedCalibrator):
+        def profile(self, problem, kind, batch, splits, timed):
+            asked.append((kind.value, jax.tree.leaves(batch)[0].shape[0]))
+            return super().profile(problem, kind, batch, splits, timed)
+
+    figures = json.loads(STACK_PROBES.read_text())
+    figures["S/64"]["temp_bytes"] = figures["Z/64"]["temp_bytes"] - 100_000  # a split that saves (recorded: none)
+    spy = Spy(figures)
+    sizes = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype), batch) for b in (16, 32, 64)}
+    hw = osdp_jax.hardware.default_hardware(mesh)
+    cut = _calibration.calibrate(problem, spy, sizes, hw, policies=("full", "dots", "none"))
+    assert sorted(asked) == sorted([(k, b) for k in "RZL" for b in (16, 64)] + [(k, 64) for k in "SDN"])
+    assert set(cut.remat) == {16, 32, 64} and set(cut.remat[64]) == {"dots", "none"}
+    for policy, (temp, seconds) in cut.remat[64].items():
+        assert temp > 0 and seconds < 0  # saving more costs memory and spares recomputation
+        for b in (16, 32):
+            assert cut.remat[b][policy] == (temp * b / 64, seconds * b / 64)
+    c = cut.calibrations
+    assert c[64].sigma > 0 and c[16].sigma == c[64].sigma * 16 / 64 and c[32].sigma == pytest.approx(c[64].sigma / 2)
+    asked.clear()
+    monkeypatch.setattr(_calibration, "AT_TOP", frozenset())
+    both = _calibration.calibrate(problem, spy, sizes, hw, policies=("full", "dots", "none"))
+    assert sorted(asked) == sorted((k, b) for k in "RZLSDN" for b in (16, 64))
+    assert both.remat[64] == cut.remat[64] and both.remat[16] != cut.remat[16]
+    layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
+    assert both.remat[16]["none"][0] == (figures["N/16"]["temp_bytes"] - figures["L/16"]["temp_bytes"]) / layers
+
+
 def test_remat_is_searched_per_layer_and_recorded_in_the_plan():
     """With the remat policies offered, a generous budget runs every layer without remat (the
     fastest); a tighter one mixes policies or keeps full remat; full remat only is never faster."""
