@@ -305,8 +305,10 @@ def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(me
             (lm, lm_loss, lm_batch, osdp_jax.Layout.fsdp(lm, mesh, units=osdp_jax.units.find(lm_loss, lm, lm_batch)))):
         lowered = jit_step(build_step(loss_fn, opt, mesh, layout)).trace(
             *abstract_args(opt, params, batch, mesh, layout)).lower()
+        default = {"xla_cpu_use_fusion_emitters": True}  # XLA:CPU's default (the suite's is not: conftest)
         figures = [osdp_jax.profile_compiled(lowered.compile(compiler_options=options))
-                   for options in (FIGURES_ONLY, {"xla_backend_optimization_level": 2}, _options("probe", mesh))]
+                   for options in ({**FIGURES_ONLY, **default}, {"xla_backend_optimization_level": 2, **default},
+                                   _options("probe", mesh))]
         assert figures[0] == figures[1]
         # a probe's (older CPU emitters): the same arguments and outputs, temp within 1 KiB, FLOPs
         # within 0.1%

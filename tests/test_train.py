@@ -17,8 +17,9 @@ def mixed_plan(params, mesh, loss_fn, batch, optimizer):
 
 
 @pytest.mark.parametrize("flavour", ["plain", "linen", "linen-boxed", "nnx"])
-def test_sharded_training_matches_single_device(mesh, flavour):
+def test_sharded_training_matches_single_device(mesh, flavour, request):
     if flavour == "plain":
+        request.getfixturevalue("default_emitters")  # its steps compiled as a user's are
         params, loss_fn = toy.plain_params(), toy.plain_loss
     elif flavour == "nnx":
         params, loss_fn = toy.nnx_setup()
