@@ -275,7 +275,7 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
     return [k for k in (ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE) if k.remat in policies]
 
 
-# probe kinds compiled at the largest batch size only, their terms scaled to the others (``calibrate``)
+# probe kinds compiled at the largest batch size only, their terms scaled to the others in proportion (``calibrate``)
 AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE})
 
 
@@ -285,14 +285,18 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     (batch size -> abstract batch), interpolated for the sizes between; the probes' figures; and
     the remat policies' per-layer terms, from one probe per policy at the largest size only.
 
-    The remat terms and the split's saving (sigma) are probed at the largest size B only and
-    scaled to each size b in proportion, ``term(b) = term(B) b / B``: what a remat policy saves
-    or recomputes is activations, and what a split saves grows with them, both close to linear
-    in the batch through zero (measured, ``experiments/results/probe_cuts.md``). The other
-    probes are compiled at both ends: their temp is a max of pools (replicated gradients,
+    The remat and split probes (``AT_TOP``) are compiled at the largest size B only. The remat
+    terms are scaled to each size b in proportion, ``term(b) = term(B) b / B``: what a policy
+    keeps or recomputes is activations, close to linear in the batch through zero. The split's
+    saving per byte (sigma) is kept the same at every size: it is a weight term, one layer's
+    gathered slice (on opt-30b-8l; scaled in proportion instead, it came out too small at batch
+    32 and OSDP fell from batch 32 split, 3.8 samples/s, to batch 8, 1.7, slower than FSDP).
+    What both cost in accuracy below B is measured (``experiments/results/probe_cuts.md``). The
+    other probes are compiled at both ends: their temp is a max of pools (replicated gradients,
     gathered weights, activations), not a sum, and a difference at one size does not carry to
     another (on gpt2-48l-1536 the all-replicated step's temp is the gradient pool's at every
-    size)."""
+    size).
+    """
     sizes = sorted(batches)
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
@@ -328,8 +332,8 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
-    if ProbeKind.SPLIT in AT_TOP and (ProbeKind.SPLIT, top) in runs:  # its saving in proportion
-        probed = {b: dataclasses.replace(c, sigma=probed[top].sigma * b / top) for b, c in probed.items()}
+    if ProbeKind.SPLIT in AT_TOP and (ProbeKind.SPLIT, top) in runs:  # a weight term: the same at every size
+        probed = {b: dataclasses.replace(c, sigma=probed[top].sigma) for b, c in probed.items()}
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
     ends, remat = sorted(probed), {b: {} for b in sizes}
     for kind in remat_kinds(problem, policies):

@@ -1,8 +1,8 @@
-"""What probing the split and remat terms at one batch size costs in accuracy.
+"""What probing the remat terms at one batch size costs in accuracy.
 
-``osdp_jax._calibration.calibrate`` compiles the split and remat probes (``AT_TOP``) at the largest
-candidate batch size only and scales their terms to the smaller sizes in proportion to the batch;
-the other probes run at the smallest and largest size. This benchmark plans each config both ways:
+``osdp_jax._calibration.calibrate`` compiles the remat probes (``AT_TOP``) at the largest candidate
+batch size only and scales their terms to the smaller sizes in proportion to the batch; the other
+probes run at the smallest and largest size. This benchmark plans each config both ways:
 *one size* (the default) and *both ends* (``AT_TOP`` emptied: every probe kind at both sizes, the
 terms interpolated between them, as before the cut). The cut shows only below the largest batch
 size, so each config is planned at 0.3x to 1x its budget (the smaller budgets push the batch size
@@ -28,7 +28,7 @@ from experiments import config, runner  # noqa: E402
 from osdp_jax import _calibration  # noqa: E402
 from osdp_jax.planning import clear_probe_cache  # noqa: E402
 
-CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
+CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536", "paper/opt_30b_8l")
 FRACTIONS = (0.3, 0.45, 0.6, 0.8, 1.0)
 WAYS = {"one size": _calibration.AT_TOP, "both ends": frozenset()}
 
@@ -82,9 +82,9 @@ def main():
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
     rows = [r for name in args.configs.split(",") for r in measure(name)]
-    lines = ["# Split and remat probes at one batch size: accuracy against both ends", "",
+    lines = ["# Remat probes at one batch size: accuracy against both ends", "",
              "Measured with `python experiments/benchmarks/probe_cuts.py` (8 simulated CPU devices). Each config is",
-             "planned unverified at 0.3x-1x its budget with the split and remat probes at the largest batch size",
+             "planned unverified at 0.3x-1x its budget with the remat probes at the largest batch size",
              "only, their terms scaled to smaller sizes in proportion (one size, the default), and with every",
              "probe kind at both batch-size ends (both ends); each chosen plan compiled for XLA's peak. Error:",
              "predicted / XLA - 1; samples/s predicted. The cut shows only in plans below the largest batch size.",
