@@ -2,9 +2,10 @@
 
 Activations, temporaries and FLOPs are not modelled from first principles; they are read off
 compiled *probe* steps of the real loss (:class:`ProbeKind`), at the smallest and largest
-candidate batch size (the remat and split probes at the largest only: ``calibrate``), and interpolated between (``_cost.fit``, ``_cost.interpolate``). With
-``measure_time`` the probes are also run and timed, and the compute and collective seconds scaled
-to the measurements (``_cost.fit_time``).
+candidate batch size (the remat and split probes at the largest only: ``calibrate``), and
+interpolated between (``_cost.fit``, ``_cost.interpolate``). With ``measure_time`` the probes are
+also run and timed, and the compute and collective seconds scaled to the measurements
+(``_cost.fit_time``).
 
 Where the figures come from is a :class:`Calibrator`: :class:`XlaCalibrator` compiles (and
 times) the probes; :class:`RecordedCalibrator` reads figures recorded earlier (a JSON file or a
@@ -275,7 +276,8 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
     return [k for k in (ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE) if k.remat in policies]
 
 
-# probe kinds compiled at the largest batch size only, their terms scaled to the others in proportion (``calibrate``)
+# probe kinds compiled at the largest batch size only, their terms carried to the smaller sizes (``calibrate``:
+# the remat terms in proportion to the batch, the split's saving per byte as it is)
 AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE})
 
 
