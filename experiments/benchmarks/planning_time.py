@@ -97,8 +97,9 @@ def main():
                      f"{'' if r['full_same'] else ' (another plan)'} | {r['full_compiles']} | "
                      f"{r['full'] / r['one']:.2f} |")
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",
-              "not one). A cold plan compiles every probe (up to six kinds at two batch sizes) and the chosen",
-              "plan; at the second budget only a plan that was not compiled before is. Probes are compiled for",
+              "not one). A cold plan compiles every probe (the all-replicated, per-layer and all-zero3 steps at",
+              "the smallest and largest batch size, the split and remat probes at the largest only) and the",
+              "chosen plan; at the second budget only a plan that was not compiled before is. Probes are compiled for",
               "their figures only (no LLVM optimisation, XLA:CPU's older loop emitters), traced in order while",
               f"{compile_threads()} worker threads compile them. By default (`verify=True`) the chosen plan is",
               "compiled the same way, and `make_train_step` compiles the step to run. With `verify=\"full\"`",
