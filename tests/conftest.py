@@ -60,6 +60,7 @@ def default_emitters(monkeypatch):
     """Steps compiled to run take XLA:CPU's default emitters (the fusion emitters), as a user's do,
     not the suite's older ones (module docstring)."""
     from osdp_jax.runtime import step
+    step.clear_compiled()  # no step kept from an earlier test (compiled the suite's way) is reused
     options = step._options
     monkeypatch.setattr(step, "_options", lambda purpose, mesh: (
         {"xla_cpu_use_fusion_emitters": True} if purpose == "run" else options(purpose, mesh)))
