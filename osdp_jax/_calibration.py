@@ -303,10 +303,9 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
-    top = sizes[-1]
-    jobs = [(kind, b) for b in sorted({sizes[0], top}) for kind in kinds if kind not in AT_TOP or b == top]
-    jobs += [(kind, b) for b in sorted({sizes[0], top}) for kind in remat_kinds(problem, policies)
-             if kind not in AT_TOP or b == top]
+    top, ends = sizes[-1], sorted({sizes[0], sizes[-1]})
+    jobs = [(kind, b) for b in ends for kind in (*kinds, *remat_kinds(problem, policies))
+            if kind not in AT_TOP or b == top]
     jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
@@ -319,7 +318,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
     can_shard, loop = problem.can_shard(), problem.loop_mask()
     probed, last_saving = {}, None
-    for b in sorted({sizes[0], sizes[-1]}):
+    for b in ends:
         got = {kind: runs[kind, b][0] for kind in kinds if (kind, b) in runs}
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
         per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
@@ -337,7 +336,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     if ProbeKind.SPLIT in AT_TOP and (ProbeKind.SPLIT, top) in runs:  # a weight term: the same at every size
         probed = {b: dataclasses.replace(c, sigma=probed[top].sigma) for b, c in probed.items()}
     layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
-    ends, remat = sorted(probed), {b: {} for b in sizes}
+    remat = {b: {} for b in sizes}
     for kind in remat_kinds(problem, policies):
         terms = {}  # probed size -> (temp bytes, compute seconds) per layer, against "full"
         for b in [top] if kind in AT_TOP else ends:

@@ -1,11 +1,11 @@
-"""What probing the remat terms at one batch size costs in accuracy.
+"""What probing the remat and split terms at one batch size costs in accuracy.
 
-``osdp_jax._calibration.calibrate`` compiles the remat probes (``AT_TOP``) at the largest candidate
-batch size only and scales their terms to the smaller sizes in proportion to the batch; the other
-probes run at the smallest and largest size. This benchmark plans each config both ways:
-*one size* (the default) and *both ends* (``AT_TOP`` emptied: every probe kind at both sizes, the
-terms interpolated between them, as before the cut). The cut shows only below the largest batch
-size, so each config is planned at 0.3x to 1x its budget (the smaller budgets push the batch size
+``osdp_jax._calibration.calibrate`` compiles the remat and split probes (``AT_TOP``) at the largest
+candidate batch size only, scales the remat terms to the smaller sizes in proportion to the batch
+and keeps the split's saving per byte; the other probes run at the smallest and largest size.
+This benchmark plans each config both ways: *one size* (the default) and *both ends* (``AT_TOP``
+emptied: every probe kind at both sizes, the terms interpolated between them, as before the cut).
+The cut shows only below the largest batch size, so each config is planned at 0.3x to 1x its budget (the smaller budgets push the batch size
 down), unverified (``verify=False``: the model's own choice and prediction), and every chosen plan
 is compiled for its XLA peak (as the probes are, ``figures_only="probe"``). Also counted: the probe
 compiles each way needs.
@@ -82,10 +82,11 @@ def main():
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
     rows = [r for name in args.configs.split(",") for r in measure(name)]
-    lines = ["# Remat probes at one batch size: accuracy against both ends", "",
+    lines = ["# Remat and split probes at one batch size: accuracy against both ends", "",
              "Measured with `python experiments/benchmarks/probe_cuts.py` (8 simulated CPU devices). Each config is",
-             "planned unverified at 0.3x-1x its budget with the remat probes at the largest batch size",
-             "only, their terms scaled to smaller sizes in proportion (one size, the default), and with every",
+             "planned unverified at 0.3x-1x its budget with the remat and split probes at the largest batch",
+             "size only, the remat terms scaled to smaller sizes in proportion and the split's saving per byte",
+             "kept (one size, the default), and with every",
              "probe kind at both batch-size ends (both ends); each chosen plan compiled for XLA's peak. Error:",
              "predicted / XLA - 1; samples/s predicted. The cut shows only in plans below the largest batch size.",
              "", "| config | budget | probes: one size / both ends | one size: batch | samples/s | predicted / XLA "
