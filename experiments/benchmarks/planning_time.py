@@ -15,15 +15,19 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
   (``TrainStep.reused``; ``tests/test_plan.py`` checks it), so this ratio includes the compile
   training would otherwise do.
 
+Each config is measured ``--repeats`` times (default 3), every cache cleared before each; a ratio
+is taken within one repeat (the same run) and the table gives the medians over the repeats.
+
 Issue 16's targets: cold <= 3 compiles' worth, second budget <= 0.5. Writes
 experiments/results/planning_time.md.
 
-Run: python experiments/benchmarks/planning_time.py [--configs gpt2_mini,...]
+Run: python experiments/benchmarks/planning_time.py [--configs gpt2_mini,...] [--repeats 3]
 """
 import argparse
 import dataclasses
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -70,32 +74,60 @@ def measure(name: str) -> dict:
                 full_compiles=full.compiles, full_same=full.layout == cold.layout)
 
 
+def medians(runs: list[dict]) -> dict:
+    """One row from repeats of :func:`measure`: median seconds, median ratios (each taken within its
+    repeat), compile counts as ``"10"`` or, where repeats differed, ``"10-11"``."""
+    med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
+    count = lambda k: "-".join(str(c) for c in sorted({r[k] for r in runs}))  # noqa: E731
+    row = {"name": runs[0]["name"], "repeats": len(runs), "same": all(r["same"] for r in runs),
+           "full_same": all(r["full_same"] for r in runs)}
+    for k in ("one", "cold", "warm", "full"):
+        row[k] = med(lambda r: r[k])
+    for k in ("cold", "warm", "full"):
+        row[f"{k}_ratio"] = med(lambda r: r[k] / r["one"])
+        row[f"{k}_ratios"] = [r[k] / r["one"] for r in runs]
+        row[f"{k}_compiles"] = count(f"{k}_compiles")
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per config; the table gives medians")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     rows = []
     for name in args.configs.split(","):
-        r = measure(name)
-        rows.append(r)
-        print(f"{name}: one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s ({r['cold_compiles']} compiles, "
-              f"ratio {r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s ({r['warm_compiles']} compiles, "
-              f"ratio {r['warm'] / r['one']:.2f}); cold, verify=full {r['full']:.1f} s ({r['full_compiles']} "
-              f"compiles, ratio {r['full'] / r['one']:.2f})", flush=True)
+        runs = []
+        for i in range(args.repeats):
+            r = measure(name)
+            runs.append(r)
+            print(f"{name} ({i + 1}/{args.repeats}): one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s "
+                  f"({r['cold_compiles']} compiles, ratio {r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s "
+                  f"({r['warm_compiles']} compiles, ratio {r['warm'] / r['one']:.2f}); cold, verify=full "
+                  f"{r['full']:.1f} s ({r['full_compiles']} compiles, ratio {r['full'] / r['one']:.2f})", flush=True)
+        rows.append(medians(runs))
     lines = ["# Planning time", "",
              "Measured with `python experiments/benchmarks/planning_time.py` on this 2-core machine, 8 simulated",
              "CPU devices, JAX's persistent compilation cache off. Ratios are `plan()` wall time over one compile",
-             "of the chosen train step, measured in the same run. Issue 16's targets: cold <= 3, second budget",
+             "of the chosen train step, measured in the same run. Each config was measured "
+             f"{rows[0]['repeats'] if rows else 0} times, every",
+             "cache cleared before each; the table gives medians (of the seconds, and of the ratios taken",
+             "within each repeat), the repeats' ratios below it. Issue 16's targets: cold <= 3, second budget",
              "<= 0.5.", "",
              "| config | one compile | cold plan() | compiles | cold ratio | plan() at 1.5x budget | compiles "
              "| its ratio | cold plan(verify=\"full\") | compiles | its ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['one']:.1f} s | {r['cold']:.1f} s | {r['cold_compiles']} | "
-                     f"{r['cold'] / r['one']:.2f} | {r['warm']:.1f} s{' (same plan)' if r['same'] else ''} | "
-                     f"{r['warm_compiles']} | {r['warm'] / r['one']:.2f} | {r['full']:.1f} s"
+                     f"{r['cold_ratio']:.2f} | {r['warm']:.1f} s{' (same plan)' if r['same'] else ''} | "
+                     f"{r['warm_compiles']} | {r['warm_ratio']:.2f} | {r['full']:.1f} s"
                      f"{'' if r['full_same'] else ' (another plan)'} | {r['full_compiles']} | "
-                     f"{r['full'] / r['one']:.2f} |")
+                     f"{r['full_ratio']:.2f} |")
+    lines += ["", "The repeats' ratios (cold; second budget; cold, verify=\"full\"):", ""]
+    lines += [f"- {r['name']}: " + "; ".join(", ".join(f"{x:.2f}" for x in r[f"{k}_ratios"])
+                                            for k in ("cold", "warm", "full")) for r in rows]
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",
               "not one). A cold plan compiles every probe (the all-replicated, per-layer and all-zero3 steps at",
               "the smallest and largest batch size, the split and remat probes at the largest only) and the",
