@@ -113,6 +113,12 @@ def setup(cfg: ExperimentConfig) -> Setup:
                  models.make_loss(module), seq_len)
 
 
+def at_budget(s: Setup, budget) -> Setup:
+    """``s`` with its plan's per-device budget replaced (``"8GB"``, or bytes)."""
+    return dataclasses.replace(s, cfg=dataclasses.replace(s.cfg, plan=dataclasses.replace(s.cfg.plan,
+                                                                                          budget=str(budget))))
+
+
 def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, per_layer=None) -> osdp_jax.Plan:
     """``osdp_jax.plan`` with the config's options (``verify="full"`` for a plan trained at once)."""
     p = s.cfg.plan

@@ -8,7 +8,6 @@ memory XLA needed over the model on a compiled plan is left free at the next bud
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import time
@@ -22,8 +21,7 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     """One row per (budget, method); writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` to ``out``."""
     rows, start = [], time.perf_counter()
     for budget in budgets:
-        at = dataclasses.replace(s, cfg=dataclasses.replace(
-            s.cfg, plan=dataclasses.replace(s.cfg.plan, budget=budget)))
+        at = runner.at_budget(s, budget)
         for name, strategies, splits, remat, per_layer in runner.methods(s):
             row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
             t0 = time.perf_counter()

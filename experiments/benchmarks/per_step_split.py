@@ -34,8 +34,7 @@ GIB, MIB = 2**30, 2**20
 
 def paper() -> list[str]:
     s = runner.setup(config.load("experiments/paper/gpt2_48l_1536.toml"))
-    cfg = dataclasses.replace(s.cfg, plan=dataclasses.replace(s.cfg.plan, budget="12GB"))
-    first = runner.make_plan(dataclasses.replace(s, cfg=cfg), verify=False)
+    first = runner.make_plan(runner.at_budget(s, "12GB"), verify=False)
     head = next(p for p in first.params if p.path == "lm_head/kernel")
     lines = [f"## gpt2_48l_1536, the plan picked at 12 GB (lm_head {head.strategy}, k = {head.split} "
              f"there; predicted {first.predicted_peak_bytes / GIB:.2f} GiB at batch {first.batch_size})", "",

@@ -14,7 +14,6 @@ Run: python experiments/benchmarks/probe_cuts.py [--configs gpt2_mini,...]
 Writes experiments/results/probe_cuts.md.
 """
 import argparse
-import dataclasses
 import os
 import pathlib
 import statistics
@@ -34,10 +33,9 @@ WAYS = {"one size": _calibration.AT_TOP, "both ends": frozenset()}
 
 
 def _plan(s, budget, way):
-    cfg = dataclasses.replace(s.cfg, plan=dataclasses.replace(s.cfg.plan, budget=str(budget)))
     _calibration.AT_TOP = WAYS[way]
     try:
-        return runner.make_plan(dataclasses.replace(s, cfg=cfg), verify=False)
+        return runner.make_plan(runner.at_budget(s, budget), verify=False)
     except osdp_jax.InfeasibleBudgetError:
         return None
     finally:

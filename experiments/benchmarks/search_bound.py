@@ -22,7 +22,6 @@ Run: python experiments/benchmarks/search_bound.py [--budgets 4GB,8GB,...] [--re
 """
 import numpy as np
 import argparse
-import dataclasses
 import os
 import pathlib
 import statistics
@@ -52,8 +51,7 @@ def tables_at(s, budget: str) -> dict:
 
     _planner._search = keep
     try:
-        runner.make_plan(dataclasses.replace(s, cfg=dataclasses.replace(
-            s.cfg, plan=dataclasses.replace(s.cfg.plan, budget=budget))), verify=False)
+        runner.make_plan(runner.at_budget(s, budget), verify=False)
     finally:
         _planner._search = search
     return seen[0]
