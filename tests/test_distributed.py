@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from experiments import cli
+import osdp_jax
+from experiments import cli, config, runner
 
 CONFIG = "experiments/gpt2_mini.toml"
 FLAGS = ["--plan.batch_sizes=32", "--plan.splits=1", "--plan.remat=full"]  # what these tests are about needs no searched remat
@@ -92,7 +93,7 @@ def _start_and_wait_for_steps(cmd, out, steps=2, timeout=300):
 def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
     """Under launch (2 processes x 4 devices): SIGTERM to the launcher stops every process after
     the same step, with one checkpoint written together; the run resumes from it, and its losses
-    equal one process with 8 devices."""
+    equal one process with 8 devices under the same plan."""
     out, one = tmp_path / "two", tmp_path / "one"
     launcher = _start_and_wait_for_steps(
         [sys.executable, "-m", "experiments.cli", "launch", "--processes", "2", CONFIG, "--steps", "100000",
@@ -111,7 +112,9 @@ def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
     assert summary["resumed_from_step"] == steps[0] and summary["steps"] == total
-    assert cli.main(["train", CONFIG, "--steps", str(total), "--out", str(one), *FLAGS]) == 0
+    # one process with 8 devices under the plan the launch wrote (planning it again is test_cli's)
+    s = runner.setup(config.load(CONFIG, {**dict(f[2:].split("=") for f in FLAGS), "train.steps": str(total)}))
+    runner.train(s, one, plan=osdp_jax.Plan.from_json((out / "plan.json").read_text()), progress=False)
     assert _losses(out) == pytest.approx(_losses(one), rel=1e-5, abs=0)
 
 

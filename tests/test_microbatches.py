@@ -153,7 +153,7 @@ def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh
     budget = int(0.8 * fsdp.xla_peak_bytes)
     with pytest.raises(osdp_jax.InfeasibleBudgetError):
         osdp_jax.plan(params, mesh, budget=budget, **kw)
-    plan = osdp_jax.plan(params, mesh, budget=budget, microbatches=(1, 2, 4), verify="full", **kw)
+    plan = osdp_jax.plan(params, mesh, budget=budget, microbatches=(1, 4), verify="full", **kw)
     assert plan.batch_size == 128 and plan.microbatches > 1, plan.summary()
     assert plan.xla_peak_bytes <= budget
     assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, plan.summary()

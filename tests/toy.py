@@ -126,7 +126,7 @@ class _NnxBlock(nnx.Module):
 class NnxViT(nnx.Module):
     """A small flax.nnx ViT written as a Python loop of blocks (no osdp-jax call in it)."""
 
-    def __init__(self, rngs, d=32, depth=3, classes=10):
+    def __init__(self, rngs, d=32, depth=2, classes=10):
         self.patch = nnx.Linear(4 * 4 * 3, d, rngs=rngs)
         self.pos = nnx.Param(jax.random.normal(rngs.params(), (64, d)) * 0.02)
         self.blocks = nnx.List([_NnxBlock(d, rngs) for _ in range(depth)])
