@@ -179,7 +179,7 @@ def test_units_savings_scaled_to_a_compiled_plan_that_misses(mesh):
     from osdp_jax._planner import _overlap_key
     from osdp_jax.planning import XlaCalibrator, build_problem
     osdp_jax.planning.clear_probe_cache()
-    params, loss_fn, batch = foreign.einsum_lm(layers=4, d=64, batch=32)
+    params, loss_fn, batch = foreign.einsum_lm(layers=3, d=64, batch=32)
     opt = optax.adam(1e-3)
     units = osdp_jax.units.find(loss_fn, params, batch)
     low, high = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.fsdp(params, mesh, units=units),
