@@ -113,7 +113,7 @@ def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
     assert summary["processes"] == 2 and summary["devices"] == 8
     assert summary["resumed_from_step"] == steps[0] and summary["steps"] == total
     # one process with 8 devices under the plan the launch wrote (planning it again is test_cli's)
-    s = runner.setup(config.load(CONFIG, {**dict(f[2:].split("=") for f in FLAGS), "train.steps": str(total)}))
+    s = runner.setup(config.load(CONFIG, {**cli._split_overrides(FLAGS)[1], "train.steps": str(total)}))
     runner.train(s, one, plan=osdp_jax.Plan.from_json((out / "plan.json").read_text()), progress=False)
     assert _losses(out) == pytest.approx(_losses(one), rel=1e-5, abs=0)
 
