@@ -1,6 +1,7 @@
 """The ``osdp-jax`` command line: ``train``, ``plan`` and ``compare`` an experiment config.
 
-    osdp-jax train CONFIG [--steps N] [--budget B] [--devices N] [--out DIR] [--section.key=value ...]
+    osdp-jax train CONFIG [--steps N] [--budget B] [--devices N] [--out DIR] [--plan-file PLAN.json]
+                   [--section.key=value ...]
     osdp-jax plan CONFIG [--out DIR] [...]
     osdp-jax compare CONFIG [--out DIR] [--budgets B1,B2,...] [...]
     osdp-jax profile [--out profile.json] [--devices N] [--mesh-shape 8] [--axes data]
@@ -40,6 +41,9 @@ def _parser():
             c.add_argument("--resume-from", type=int, default=None, metavar="STEP",
                            help="continue from checkpoint STEP (implies --resume); newer checkpoints are "
                                 "moved to OUT/superseded")
+            c.add_argument("--plan-file", default=None, metavar="PLAN.json",
+                           help="train under this saved plan (the plan.json 'osdp-jax plan' or 'train' "
+                                "writes) instead of planning; checked against the config's model and mesh")
             c.add_argument("--init-params", default=None,
                            help="start from parameters exported with 'osdp-jax export' (.npz)")
             c.add_argument("--coordinator", default=None,
@@ -149,9 +153,11 @@ def _train(args, s, out) -> int:
         with Preemption() as preemption:
             # before planning: refuse early and write nothing (an existing run, nothing to resume, a
             # damaged or foreign checkpoint)
+            plan = runner.load_plan(s, args.plan_file) if args.plan_file else None
             point = runner.check_run_dir(s, out, args.resume, args.resume_from)
-            plan = runner.reusable_plan(s, point)
             if plan is not None:
+                print(f"training under the plan in {args.plan_file} (nothing planned)", flush=True)
+            elif (plan := runner.reusable_plan(s, point)) is not None:
                 print(f"reusing the plan of checkpoint {point.step} (same config)", flush=True)
             else:
                 plan = runner.make_plan(s, verify="full")  # trained at once: the executable it compiles

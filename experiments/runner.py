@@ -236,6 +236,31 @@ def check_run_dir(s: Setup, out: pathlib.Path, resume: bool, resume_from: int | 
 _PLAN_SECTIONS = ("model", "data", "mesh", "plan", "optim")  # what a plan depends on
 
 
+def load_plan(s: Setup, path) -> osdp_jax.Plan:
+    """The plan saved in ``path`` (``osdp-jax plan`` writes ``plan.json``), checked against this
+    config's parameters (every path and shape) and mesh (the plan's data-parallel axes and their
+    device count), so that training under it plans nothing; a ``ConfigError`` naming what differs
+    otherwise. Nothing is allocated."""
+    path = pathlib.Path(path)
+    hint = "plan again with 'osdp-jax plan' for this config, or drop --plan-file"
+    try:
+        plan = osdp_jax.Plan.from_json(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"config error: --plan-file {path}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, another format, fields missing
+        raise ConfigError(f"config error: --plan-file {path}: not an osdp-jax plan ({e}); {hint}") from None
+    names = dict(s.mesh.shape)
+    if any(a not in names for a in plan.axes) or math.prod(names[a] for a in plan.axes) != plan.num_devices:
+        raise ConfigError(f"config error: --plan-file {path}: made for {plan.num_devices} devices on axes "
+                          f"{list(plan.axes)}, but this config's mesh is {names}; {hint}")
+    try:
+        plan.check_matches(osdp_jax.describe(s.abstract_params()))
+    except ValueError as e:
+        what = str(e).split("; re-plan")[0]  # the hint below says how
+        raise ConfigError(f"config error: --plan-file {path}: not made for this model: {what}; {hint}") from None
+    return plan
+
+
 def reusable_plan(s: Setup, point: ResumePoint | None) -> osdp_jax.Plan | None:
     """The plan a checkpoint was trained under, when the config is the same in every section a plan
     depends on (the device count comes with ``mesh``): resuming under it replays the same compiled

@@ -30,6 +30,42 @@ def test_train_two_steps(tmp_path, config, capsys):
     if "gpt2" in config:
         assert 0.0 <= summary["accuracy"] <= 1.0
     assert "per-device peak" in capsys.readouterr().out
+    _train_under_the_saved_plan(config, out, tmp_path, capsys)
+
+
+def _train_under_the_saved_plan(config, run, tmp_path, capsys):
+    """``train --plan-file`` with the plan a run wrote: nothing is planned and the losses are the
+    run's, bit for bit; a plan that is not this config's (unreadable, another model's shapes, another
+    mesh) is one line, exit 2, and nothing written."""
+    from experiments import runner
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned, with a plan file given")
+    saved = run / "plan.json"
+    flags = ["--steps", "2", "--plan.batch_sizes=32", "--plan.remat=full", "--plan-file"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runner, "make_plan", no_planning)
+        again = tmp_path / "again"
+        assert cli.main(["train", config, "--out", str(again), *flags, str(saved)]) == 0
+        assert f"training under the plan in {saved} (nothing planned)" in capsys.readouterr().out
+        losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines()]
+                  for r in (run, again)]
+        assert losses[0] == losses[1] and len(losses[0]) == 2
+        assert json.loads((again / "plan.json").read_text()) == json.loads(saved.read_text())
+        other = json.loads(saved.read_text())
+        other["params"][0]["shape"] = [x + 1 for x in other["params"][0]["shape"]]
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        (tmp_path / "broken.json").write_text(saved.read_text()[:100])
+        for path, extra, says in ((tmp_path / "none.json", [], "cannot read it"),
+                                  (tmp_path / "broken.json", [], "not an osdp-jax plan"),
+                                  (tmp_path / "other.json", [], "not made for this model: parameter"),
+                                  (saved, ["--mesh.shape=4"], "made for 8 devices on axes ['data']")):
+            bad = tmp_path / "bad"
+            assert cli.main(["train", config, "--out", str(bad), *flags, str(path), *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert says in err and len(err.splitlines()) == 1, err
+            assert "drop --plan-file" in err or "cannot read" in err, err  # a fix named
+            assert not bad.exists()
 
 
 @pytest.mark.slow
