@@ -147,6 +147,8 @@ def _export(args) -> int:
 
 def _train(args, s, out) -> int:
     """Plan and train; on SIGTERM/SIGINT, checkpoint after the current step and say how to resume."""
+    import osdp_jax
+
     from . import runner
     from .preemption import Preempted, Preemption
     try:
@@ -157,6 +159,9 @@ def _train(args, s, out) -> int:
             point = runner.check_run_dir(s, out, args.resume, args.resume_from)
             if plan is not None:
                 print(f"training under the plan in {args.plan_file} (nothing planned)", flush=True)
+                if osdp_jax.parse_bytes(s.cfg.plan.budget) != plan.budget_bytes:
+                    print(f"note: that plan was made for a budget of {osdp_jax.format_bytes(plan.budget_bytes)}; "
+                          f"the config's plan.budget ({s.cfg.plan.budget}) is not used", flush=True)
             elif (plan := runner.reusable_plan(s, point)) is not None:
                 print(f"reusing the plan of checkpoint {point.step} (same config)", flush=True)
             else:
