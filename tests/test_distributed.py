@@ -60,6 +60,23 @@ def test_flags_go_together(capsys):
     assert "go together" in capsys.readouterr().err
 
 
+def test_launch_checks_a_plan_file_before_starting_processes(tmp_path, capsys):
+    """A --plan-file that cannot be read, is not a plan, or is for another device count: one line,
+    exit 2, no process started and nothing written."""
+    (tmp_path / "broken.json").write_text("{")
+    s = runner.setup(config.load(CONFIG))  # a plan for 8 devices, by the model alone (nothing compiled)
+    (tmp_path / "plan.json").write_text(osdp_jax.plan(s.abstract_params(), s.mesh, budget="1GB").to_json())
+    out = tmp_path / "run"
+    for path, extra, says in ((tmp_path / "none.json", [], "cannot read it"),
+                              (tmp_path / "broken.json", [], "not an osdp-jax plan"),
+                              (tmp_path / "plan.json", ["--mesh.shape=4"], "made for 8 devices, but this config's")):
+        assert cli.main(["launch", "--processes", "2", CONFIG, "--out", str(out), "--plan-file", str(path),
+                         *extra]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and len(captured.err.strip().splitlines()) == 1, captured.err
+        assert "osdp-jax launch: process" not in captured.err + captured.out and not out.exists()
+
+
 def test_a_peer_that_never_shows_up_stops_the_process():
     """Process 0 of 2 alone: it says what it waits for, and stops after its join timeout (2 s
     here; 60 s by default) instead of waiting forever. jax's coordination client aborts the
