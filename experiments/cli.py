@@ -266,19 +266,12 @@ def _launch(argv) -> int:
     plan_file = argparse.ArgumentParser(add_help=False)
     plan_file.add_argument("--plan-file", default=None)
     path = plan_file.parse_known_args(rest)[0].plan_file
-    if path is not None:  # what can be checked before any process starts: a plan, for this many devices
-        import osdp_jax
+    if path is not None:  # what can be checked before any process starts: a plan, for this mesh
+        from . import runner
         try:
-            devices = osdp_jax.Plan.from_json(pathlib.Path(path).read_text()).num_devices
-        except OSError as e:
-            print(f"osdp-jax: error: --plan-file {path}: cannot read it ({e.strerror or e})", file=sys.stderr)
-            return 2
-        except (ValueError, KeyError, TypeError) as e:
-            print(f"osdp-jax: error: --plan-file {path}: not an osdp-jax plan ({e})", file=sys.stderr)
-            return 2
-        if devices != n:
-            print(f"osdp-jax: error: --plan-file {path}: made for {devices} devices, but this config's mesh has "
-                  f"{n}; plan again with 'osdp-jax plan' for this config, or drop --plan-file", file=sys.stderr)
+            runner.check_plan_devices(runner.read_plan(path), path, dict(zip(cfg.mesh.axes, cfg.mesh.shape)))
+        except ConfigError as e:
+            print(f"osdp-jax: {e}", file=sys.stderr)
             return 2
     from .distributed import launch
     return launch(args.config, args.processes, n // args.processes, extra)

@@ -236,28 +236,41 @@ def check_run_dir(s: Setup, out: pathlib.Path, resume: bool, resume_from: int | 
 _PLAN_SECTIONS = ("model", "data", "mesh", "plan", "optim")  # what a plan depends on
 
 
-def load_plan(s: Setup, path) -> osdp_jax.Plan:
-    """The plan saved in ``path`` (``osdp-jax plan`` writes ``plan.json``), checked against this
-    config's parameters (every path and shape) and mesh (the plan's data-parallel axes and their
-    device count), so that training under it plans nothing; a ``ConfigError`` naming what differs
-    otherwise. Nothing is allocated."""
+_PLAN_FILE_HINT = "plan again with 'osdp-jax plan' for this config, or drop --plan-file"
+
+
+def read_plan(path) -> osdp_jax.Plan:
+    """The plan saved in ``path`` (the ``plan.json`` of ``osdp-jax plan`` or ``train``); a
+    ``ConfigError`` when it cannot be read or is not a plan."""
     path = pathlib.Path(path)
-    hint = "plan again with 'osdp-jax plan' for this config, or drop --plan-file"
     try:
-        plan = osdp_jax.Plan.from_json(path.read_text())
+        return osdp_jax.Plan.from_json(path.read_text())
     except OSError as e:
         raise ConfigError(f"config error: --plan-file {path}: cannot read it ({e.strerror or e})") from None
     except (ValueError, KeyError, TypeError) as e:  # not JSON, another format, fields missing
-        raise ConfigError(f"config error: --plan-file {path}: not an osdp-jax plan ({e}); {hint}") from None
-    names = dict(s.mesh.shape)
-    if any(a not in names for a in plan.axes) or math.prod(names[a] for a in plan.axes) != plan.num_devices:
+        raise ConfigError(f"config error: --plan-file {path}: not an osdp-jax plan ({e}); {_PLAN_FILE_HINT}") from None
+
+
+def check_plan_devices(plan: osdp_jax.Plan, path, mesh_shape: dict) -> None:
+    """A ``ConfigError`` unless ``plan`` runs on the mesh ``{axis: size}``: its data-parallel axes
+    are the mesh's and hold the device count it was made for."""
+    if any(a not in mesh_shape for a in plan.axes) or math.prod(mesh_shape[a] for a in plan.axes) != plan.num_devices:
         raise ConfigError(f"config error: --plan-file {path}: made for {plan.num_devices} devices on axes "
-                          f"{list(plan.axes)}, but this config's mesh is {names}; {hint}")
+                          f"{list(plan.axes)}, but this config's mesh is {mesh_shape}; {_PLAN_FILE_HINT}")
+
+
+def load_plan(s: Setup, path) -> osdp_jax.Plan:
+    """The plan saved in ``path`` (:func:`read_plan`), checked against this config's mesh
+    (:func:`check_plan_devices`) and parameters (every path and shape), so that training under it
+    plans nothing; a ``ConfigError`` naming what differs otherwise. Nothing is allocated."""
+    plan = read_plan(path)
+    check_plan_devices(plan, path, dict(s.mesh.shape))
     try:
         plan.check_matches(osdp_jax.describe(s.abstract_params()))
     except ValueError as e:
         what = str(e).split("; re-plan")[0]  # the hint below says how
-        raise ConfigError(f"config error: --plan-file {path}: not made for this model: {what}; {hint}") from None
+        raise ConfigError(f"config error: --plan-file {path}: not made for this model: {what}; "
+                          f"{_PLAN_FILE_HINT}") from None
     return plan
 
 

@@ -69,7 +69,7 @@ def test_launch_checks_a_plan_file_before_starting_processes(tmp_path, capsys):
     out = tmp_path / "run"
     for path, extra, says in ((tmp_path / "none.json", [], "cannot read it"),
                               (tmp_path / "broken.json", [], "not an osdp-jax plan"),
-                              (tmp_path / "plan.json", ["--mesh.shape=4"], "made for 8 devices, but this config's")):
+                              (tmp_path / "plan.json", ["--mesh.shape=4"], "made for 8 devices on axes ['data'], but")):
         assert cli.main(["launch", "--processes", "2", CONFIG, "--out", str(out), "--plan-file", str(path),
                          *extra]) == 2
         captured = capsys.readouterr()
