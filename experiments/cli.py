@@ -263,9 +263,7 @@ def _launch(argv) -> int:
         print(f"osdp-jax: error: the mesh's {n} devices do not divide into {args.processes} processes; "
               f"change --processes or mesh.shape", file=sys.stderr)
         return 2
-    plan_file = argparse.ArgumentParser(add_help=False)
-    plan_file.add_argument("--plan-file", default=None)
-    path = plan_file.parse_known_args(rest)[0].plan_file
+    path = _parser().parse_known_args(["train", args.config, *rest])[0].plan_file  # train's own flag
     if path is not None:  # what can be checked before any process starts: a plan, for this mesh
         from . import runner
         try:

@@ -268,9 +268,7 @@ def load_plan(s: Setup, path) -> osdp_jax.Plan:
     try:
         plan.check_matches(osdp_jax.describe(s.abstract_params()))
     except ValueError as e:
-        what = str(e).split("; re-plan")[0]  # the hint below says how
-        raise ConfigError(f"config error: --plan-file {path}: not made for this model: {what}; "
-                          f"{_PLAN_FILE_HINT}") from None
+        raise ConfigError(f"config error: --plan-file {path}: not made for this model: {e}; {_PLAN_FILE_HINT}") from None
     return plan
 
 
