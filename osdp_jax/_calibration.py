@@ -44,6 +44,7 @@ class ProbeKind(enum.Enum):
     LAYER = "L"  # only the per-layer and unit parameters zero3: kappa (temp saved per byte gathered
     #              at use), and the units' recomputed FLOPs
     SPLIT = "S"  # as ZERO3, every per-layer splittable kernel at its largest k: sigma
+    SPLIT_STEP = "P"  # as ZERO3, every per-step splittable kernel at its largest k: tau
     REMAT_DOTS = "D"  # as LAYER, every stack saving its matmul outputs: the "dots" remat terms
     REMAT_NONE = "N"  # as LAYER, every stack saving everything: the "none" remat terms
     ZERO2 = "T"  # every shardable per-step parameter zero2, the rest replicated: xi (only when
@@ -59,7 +60,7 @@ class ProbeKind(enum.Enum):
         at_use = info.path in problem.in_loop or info.path in problem.units
         if self is ProbeKind.LAST:
             return at_use and problem.units.get(info.path) != problem.last_unit
-        return {"R": False, "Z": True, "L": at_use, "S": True, "T": False}.get(self.value, at_use)
+        return {"R": False, "Z": True, "L": at_use, "S": True, "P": True, "T": False}.get(self.value, at_use)
 
     def zero2(self, info, problem: Problem) -> bool:
         """Whether this probe makes ``info`` zero2: the ZERO2 probe, its per-step parameters."""
@@ -69,6 +70,25 @@ class ProbeKind(enum.Enum):
     def remat(self) -> str:
         """The remat policy its stacks run with."""
         return {"D": "dots", "N": "none"}.get(self.value, "full")
+
+    def remat_layers(self, layers: int) -> int:
+        """Of a stack of ``layers``, how many run with :attr:`remat`; the others, "full".
+
+        A remat probe runs its policy on all but a stack's last 2 layers (when 2 or more are
+        left: a one-layer segment is a loop XLA removes), so the stack mixes the policy with
+        "full", as the searched plans do. A stack under one policy alone measures less: XLA's
+        peak holds the saved activations of every layer plus the backward pass's transient of the
+        policy that recomputes most, and with "full" gone that transient is smaller too. Measured
+        on gpt2-48l-1536 at batch 128 (the 12 GB plan's layout, n layers "dots" and the rest
+        "full", compiled for its figures): 384.0 MiB more temp per "dots" layer for every n from
+        2 to 46, but 382.3 per layer at n = 48; the term fitted on the all-"dots" probe (379.0
+        MiB) left every mixed plan at that size under XLA's peak by about 5 MiB per "dots" layer
+        (40 MiB at 8 layers, which cost the 12 GB re-plan a second compile). Fitted so, a plan
+        with every layer under the policy is over-predicted by that transient's difference
+        (84 MiB there, 0.3% of the peak)."""
+        if self.remat == "full" or layers < 4:
+            return layers
+        return layers - 2
 
 
 class Calibrator(Protocol):
@@ -163,7 +183,7 @@ class XlaCalibrator:
         requests, to_compile = list(requests), []
         for i, (kind, batch, splits, timed) in enumerate(requests):
             layout = problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
-                                    lambda x: kind.zero2(x, problem))
+                                    lambda x: kind.zero2(x, problem), kind.remat_layers)
             key = self._key(layout, batch, timed, problem.fingerprint) if self.cache else None
             if key is not None and key in _PROBES:
                 self.cached += 1
@@ -226,6 +246,8 @@ def probe_kinds(problem: Problem) -> list[ProbeKind]:
         kinds.append(ProbeKind.LAYER)
     if split_probe(problem):
         kinds.append(ProbeKind.SPLIT)
+    if step_split_probe(problem):
+        kinds.append(ProbeKind.SPLIT_STEP)
     if "zero2" in problem.strategies and (can_shard & ~loop).any():
         kinds.append(ProbeKind.ZERO2)
     return kinds
@@ -244,6 +266,17 @@ def split_probe(problem: Problem) -> dict[str, int]:
             if i.path in problem.in_loop and problem.split_ks.get((i.path, "zero3"))}
 
 
+def step_split_probe(problem: Problem) -> dict[str, int]:
+    """The SPLIT_STEP probe's split counts: every per-step splittable kernel at its largest k."""
+    return {i.path: problem.split_ks[i.path, "zero3"][-1] for i in problem.infos
+            if i.path not in problem.in_loop and problem.split_ks.get((i.path, "zero3"))}
+
+
+def probe_splits(problem: Problem, kind: ProbeKind) -> dict[str, int]:
+    """The split counts a probe runs with (path -> k; only SPLIT and SPLIT_STEP split)."""
+    return {ProbeKind.SPLIT: split_probe, ProbeKind.SPLIT_STEP: step_split_probe}.get(kind, lambda _: {})(problem)
+
+
 class Calibrated(NamedTuple):
     """What calibration gives the planner."""
 
@@ -255,7 +288,7 @@ class Calibrated(NamedTuple):
 def probe_choices(problem: Problem, kind: ProbeKind) -> np.ndarray | None:
     """The probe's layout as one column per parameter of ``problem``, or None when the problem's
     columns cannot express it (e.g. zero3 not allowed)."""
-    splits = split_probe(problem) if kind is ProbeKind.SPLIT else {}
+    splits = probe_splits(problem, kind)
     choices = []
     for row, info in enumerate(problem.infos):
         zero3 = kind.zero3(info, problem) and problem.spec_of(info, "zero3") is not None
@@ -278,7 +311,7 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
 
 # probe kinds compiled at the largest batch size only, their terms carried to the smaller sizes (``calibrate``:
 # the remat terms in proportion to the batch, the split's saving per byte as it is)
-AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE})
+AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.SPLIT_STEP, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE})
 
 
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
@@ -303,14 +336,16 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
+    step_splits = step_split_probe(problem)
+    step_share = sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := step_splits.get(i.path)))
     top, ends = sizes[-1], sorted({sizes[0], sizes[-1]})
     jobs = [(kind, b) for b in ends for kind in (*kinds, *remat_kinds(problem, policies))
             if kind not in AT_TOP or b == top]
     jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
-    requests = [(kind, batches[b], splits if kind is ProbeKind.SPLIT else {},
-                 measure_time and kind is not ProbeKind.SPLIT) for kind, b in jobs]
+    requests = [(kind, batches[b], probe_splits(problem, kind),
+                 measure_time and kind not in (ProbeKind.SPLIT, ProbeKind.SPLIT_STEP)) for kind, b in jobs]
     many = getattr(calibrator, "profile_many", None)
     done = (many(problem, requests) if many is not None
             else ((i, calibrator.profile(problem, *request)) for i, request in enumerate(requests)))
@@ -325,19 +360,21 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
                         got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
                         problem.last_unit_mask(), problem.saving_bytes(),
-                        runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving)
+                        runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving,
+                        got.get(ProbeKind.SPLIT_STEP), step_share)
         last_saving = probed[b].last_saving
         timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
-                 for kind in kinds if kind is not ProbeKind.SPLIT and (sec := runs[kind, b][1]) is not None]
+                 for kind in kinds if kind not in (ProbeKind.SPLIT, ProbeKind.SPLIT_STEP) and (kind, b) in runs
+                 and (sec := runs[kind, b][1]) is not None]
         if timed:
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)
             log.info("batch %d: compute x%.2f, collectives x%.2f from %d timed probes", b, cf, cc, len(timed))
     if ProbeKind.SPLIT in AT_TOP and (ProbeKind.SPLIT, top) in runs:  # a weight term: the same at every size
         probed = {b: dataclasses.replace(c, sigma=probed[top].sigma) for b, c in probed.items()}
-    layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
     remat = {b: {} for b in sizes}
     for kind in remat_kinds(problem, policies):
+        layers = sum(kind.remat_layers(problem.stack_layers(s)) for s in range(len(problem.stacks)))
         terms = {}  # probed size -> (temp bytes, compute seconds) per layer, against "full"
         for b in [top] if kind in AT_TOP else ends:
             base = ProbeKind.LAYER if (ProbeKind.LAYER, b) in runs else ProbeKind.ZERO3

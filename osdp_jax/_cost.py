@@ -47,9 +47,14 @@ an estimate that leaves activations out.
 
 *Split* (operator splitting, ``osdp_jax.split``, k slices; sharded kernels only): the kernel is
 gathered one slice at a time inside its own rematerialised loop. A per-step kernel then puts
-zeta p_i / k in the Z pool instead of zeta p_i (modelled). A per-layer kernel saves a further
-sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma fitted on a probe that splits every
-per-layer kernel at its largest k.
+(zeta - tau (1 - 1/k)) p_i in the Z pool instead of zeta p_i (at least 0), tau fitted at the
+largest batch size on a probe that splits every per-step kernel at its largest k, linear from
+zeta at the smallest size (unmeasured there) and never over zeta between. What such a split
+saves is not the gathered weight's share of the pool: on gpt2-48l-1536 the LM head split in 8
+saves 315, 96 and 24 MiB at batch 16, 64 and 128 (zeta (1 - 1/k) p: about 250 MiB at every
+size), as XLA places the gathered head in a slot that logits-sized buffers use at other times.
+A per-layer kernel saves a further sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma
+fitted on a probe that splits every per-layer kernel at its largest k.
 
 *zero2* (the gradient reduce-scattered as it is produced, the update on the shard, the new
 shards all-gathered into the output): a per-step zero2 parameter leaves the R pool and holds
@@ -142,6 +147,12 @@ class Calibration:
     compute_scale: float = 1.0  # measured / modelled compute seconds (timed probes; 1 if not timed)
     comm_scale: float = 1.0  # measured / modelled collective seconds
     last_saving: float = 0.0  # temp bytes saved per byte of the last-called unit sharded, the others sharded
+    tau: float | None = None  # temp bytes saved per byte of (1 - 1/k) p of a per-step kernel split (None: zeta)
+
+    @property
+    def step_split_saving(self) -> float:
+        """tau: what a per-step kernel's split saves per byte of (1 - 1/k) p, zeta unless measured."""
+        return self.zeta if self.tau is None else self.tau
 
 
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
@@ -149,7 +160,8 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
         split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None,
         zero2: StepProfile | None = None, last: np.ndarray | None = None,
         weight: np.ndarray | None = None, but_last: StepProfile | None = None,
-        last_saving: float | None = None) -> Calibration:
+        last_saving: float | None = None, split_step: StepProfile | None = None,
+        step_share: float = 0.0) -> Calibration:
     """kappa, zeta, sigma and the units' FLOPs from the probes (module docstring); ``loop`` marks
     the parameters gathered at use (per layer, or at a unit: ``unit`` marks those).
 
@@ -161,6 +173,8 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     (``Problem.saving_bytes``; default ``p``). ``but_last`` is the ``per_layer`` step with the
     last unit replicated: what that unit saves, ``last_saving`` bytes per byte, is the difference
     (``cost_tables``); without it, ``last_saving`` as given (fitted at another batch size), or 0.
+    ``split_step`` is the all-zero3 step with every per-step splittable kernel split at its
+    largest k, and ``step_share`` the sum of (1 - 1/k) p over those kernels: tau (None without it).
     """
     saves = loop if last is None else loop & ~last
     weight = p if weight is None else weight
@@ -186,7 +200,10 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
     xi = 1 + RHO
     if zero2 is not None and top_sh:  # never under replication's charge (see the module docstring)
         xi = max(1 + RHO, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
-    return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi, last_saving=last_saving)
+    tau = None
+    if split_step is not None and step_share:
+        tau = (zero3.temp_bytes - split_step.temp_bytes) / step_share  # < 0: splitting costs memory
+    return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi, last_saving=last_saving, tau=tau)
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -291,9 +308,12 @@ def interpolate(probed: dict[int, Calibration], size: int) -> Calibration:
                         lin(p0.alias_bytes, p1.alias_bytes), lin(p0.temp_bytes, p1.temp_bytes),
                         p0.flops + w * (p1.flops - p0.flops), p0.collectives)
     lerp = lambda a, b: a + w * (b - a)  # noqa: E731
+    tau = None  # measured at one end at least: linear between, never over the model's zeta
+    if c0.tau is not None or c1.tau is not None:
+        tau = min(lerp(c0.step_split_saving, c1.step_split_saving), lerp(c0.zeta, c1.zeta))
     return Calibration(mixed, lerp(c0.kappa, c1.kappa), lerp(c0.zeta, c1.zeta), lerp(c0.sigma, c1.sigma),
                        lerp(c0.unit_flops, c1.unit_flops), lerp(c0.xi, c1.xi), lerp(c0.compute_scale, c1.compute_scale),
-                       lerp(c0.comm_scale, c1.comm_scale), lerp(c0.last_saving, c1.last_saving))
+                       lerp(c0.comm_scale, c1.comm_scale), lerp(c0.last_saving, c1.last_saving), tau)
 
 
 def fit_time(measured: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -396,7 +416,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
             w = (p if saving is None else saving) * np.where(unit, unit_scale, 1.0)
             mem[per_layer & saves, s] -= cal.kappa * w[per_layer & saves]
             mem[per_layer & ~saves, s] -= unit_scale * cal.last_saving * p[per_layer & ~saves]
-            pools[top, s, 1] = cal.zeta * p[top] / k
+            pools[top, s, 1] = np.maximum(0.0, cal.zeta - cal.step_split_saving * (1 - 1 / k)) * p[top]
             if k > 1:
                 mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]
         for i in np.flatnonzero(ok):

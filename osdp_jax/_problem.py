@@ -19,7 +19,7 @@ from ._cost import Topology
 from ._describe import ParamInfo, describe
 from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
-from ._stack import check_remat
+from ._stack import Segment, check_remat
 from ._strategies import GATHERED, axes_size, sharded_dim, spec_for
 from ._unit_policy import from_found
 
@@ -130,10 +130,11 @@ class Problem:
         return self.in_loop | frozenset(self.units)
 
     def layout(self, zero3_where=lambda info: False, splits=None, remat: str = "full",
-               zero2_where=lambda info: False) -> Layout:
+               zero2_where=lambda info: False, remat_layers=lambda layers: layers) -> Layout:
         """A probe's layout: zero3 where ``zero3_where(info)`` (and it applies), else zero2 where
         ``zero2_where(info)`` (and it applies), else replicated; ``splits`` (path -> k) on sharded
-        kernels; every stack run with the ``remat`` policy."""
+        kernels; the first ``remat_layers(L)`` layers of every stack (of L) run with the ``remat``
+        policy, the rest with "full"."""
         splits = splits or {}
         params = []
         for i in self.infos:
@@ -142,12 +143,22 @@ class Problem:
             if strategy == "replicate" and zero2_where(i) and self.spec_of(i, "zero2") is not None:
                 strategy = "zero2"
             k = splits.get(i.path, 1) if strategy == "zero3" else 1
-            segs = one_segment(i.shape[0], spec, strategy, k, False, remat) if i.path in self.in_loop else ()
+            segs = _probe_segments(i.shape[0], remat_layers(i.shape[0]), spec, strategy, k, remat) \
+                if i.path in self.in_loop else ()
             unit = self.units.get(i.path, "") if strategy == "zero3" and k == 1 else ""
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
                                       i.path in self.dense, segs, unit,
                                       self.compute_dtype if strategy == "zero3" else ""))
         return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)
+
+
+def _probe_segments(layers: int, under: int, spec, strategy: str, k: int, remat: str) -> tuple:
+    """One segment of ``layers`` layers, its first ``under`` run with ``remat`` and the rest with
+    "full" (two segments then; one, "full", when ``under`` is 0)."""
+    if under >= layers or under <= 0 or remat == "full":
+        return one_segment(layers, spec, strategy, k, False, remat if under > 0 else "full")
+    return (Segment(0, under, strategy, k, check_remat(remat), spec),
+            Segment(under, layers, strategy, k, "full", spec))
 
 
 def _stacks(found, in_loop) -> tuple[tuple[str, ...], ...]:

@@ -18,7 +18,7 @@ import osdp_jax
 import toy
 from osdp_jax import Layout, Segment
 from osdp_jax._strategies import spec_for
-from osdp_jax.planning import RecordedCalibrator
+from osdp_jax.planning import ProbeKind, RecordedCalibrator
 
 STACK_PROBES = pathlib.Path(__file__).parent / "data" / "stack_probes.json"  # tests/data/make_recorded_probes.py
 
@@ -268,11 +268,12 @@ def test_remat_and_split_probes_run_at_the_largest_batch_size_only(monkeypatch):
 
     figures = json.loads(STACK_PROBES.read_text())
     figures["S/64"]["temp_bytes"] = figures["Z/64"]["temp_bytes"] - 100_000  # a split that saves (recorded: none)
+    figures["P/64"]["temp_bytes"] = figures["Z/64"]["temp_bytes"] - 1_000  # the LM head's, less than modelled
     spy = Spy(figures)
     sizes = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype), batch) for b in (16, 32, 64)}
     hw = osdp_jax.hardware.default_hardware(mesh)
     cut = _calibration.calibrate(problem, spy, sizes, hw, policies=("full", "dots", "none"))
-    assert sorted(asked) == sorted([(k, b) for k in "RZL" for b in (16, 64)] + [(k, 64) for k in "SDN"])
+    assert sorted(asked) == sorted([(k, b) for k in "RZL" for b in (16, 64)] + [(k, 64) for k in "SPDN"])
     assert set(cut.remat) == {16, 32, 64} and set(cut.remat[64]) == {"dots", "none"}
     for policy, (temp, seconds) in cut.remat[64].items():
         assert temp > 0 and seconds < 0  # saving more costs memory and spares recomputation
@@ -280,14 +281,31 @@ def test_remat_and_split_probes_run_at_the_largest_batch_size_only(monkeypatch):
             assert cut.remat[b][policy] == (temp * b / 64, seconds * b / 64)
     c = cut.calibrations
     assert c[64].sigma > 0 and c[16].sigma == c[32].sigma == c[64].sigma
+    # a per-step kernel's split saving (tau) is measured at the largest size; at the smallest it
+    # is the model's zeta, linear between and never over zeta
+    step = _calibration.step_split_probe(problem)
+    assert step == {"lm_head/kernel": 4}
+    share = sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := step.get(i.path)))
+    assert c[64].tau == 1_000 / share and c[16].tau is None and c[16].step_split_saving == c[16].zeta
+    assert c[32].tau == min(c[16].zeta + (c[64].tau - c[16].zeta) / 3, c[32].zeta) < c[32].zeta
+    opt_bytes, other = osdp_jax._cost.optimizer_bytes(optax.adam(1e-3), params)
+    t = osdp_jax._cost.cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other,
+                                   problem.topo, hw, 0, c[64], problem.in_loop)
+    head = [i.path for i in problem.infos].index("lm_head/kernel")
+    p_head = problem.infos[head].nbytes
+    for k in (1, 2, 4):
+        assert t.pools[head, problem.columns.index(("zero3", k)), 1] == pytest.approx(
+            (c[64].zeta - c[64].tau * (1 - 1 / k)) * p_head)
     asked.clear()
     monkeypatch.setattr(_calibration, "AT_TOP", frozenset())
     both = _calibration.calibrate(problem, spy, sizes, hw, policies=("full", "dots", "none"))
-    assert sorted(asked) == sorted((k, b) for k in "RZLSDN" for b in (16, 64))
+    assert sorted(asked) == sorted((k, b) for k in "RZLSPDN" for b in (16, 64))
     assert both.remat[64] == cut.remat[64] and both.remat[16] != cut.remat[16]
     assert both.calibrations[64].sigma == c[64].sigma and both.calibrations[16].sigma != c[16].sigma
-    layers = sum(problem.stack_layers(s) for s in range(len(problem.stacks)))
-    assert both.remat[16]["none"][0] == (figures["N/16"]["temp_bytes"] - figures["L/16"]["temp_bytes"]) / layers
+    # the remat probes run their policy on all of the 8-layer stack but its last 2 layers
+    under = sum(ProbeKind.REMAT_NONE.remat_layers(problem.stack_layers(s)) for s in range(len(problem.stacks)))
+    assert under == 6
+    assert both.remat[16]["none"][0] == (figures["N/16"]["temp_bytes"] - figures["L/16"]["temp_bytes"]) / under
 
 
 def test_remat_is_searched_per_layer_and_recorded_in_the_plan():
