@@ -260,16 +260,21 @@ def last_probe(problem: Problem) -> bool:
     return len(set(problem.units.values())) >= 2 and bool((last & problem.can_shard()).any())
 
 
+def _largest_splits(problem: Problem, per_layer: bool) -> dict[str, int]:
+    """Every splittable kernel gathered per layer (or, without ``per_layer``, per step) at its
+    largest k."""
+    return {i.path: problem.split_ks[i.path, "zero3"][-1] for i in problem.infos
+            if (i.path in problem.in_loop) == per_layer and problem.split_ks.get((i.path, "zero3"))}
+
+
 def split_probe(problem: Problem) -> dict[str, int]:
     """The SPLIT probe's split counts: every per-layer splittable kernel at its largest k."""
-    return {i.path: problem.split_ks[i.path, "zero3"][-1] for i in problem.infos
-            if i.path in problem.in_loop and problem.split_ks.get((i.path, "zero3"))}
+    return _largest_splits(problem, per_layer=True)
 
 
 def step_split_probe(problem: Problem) -> dict[str, int]:
     """The SPLIT_STEP probe's split counts: every per-step splittable kernel at its largest k."""
-    return {i.path: problem.split_ks[i.path, "zero3"][-1] for i in problem.infos
-            if i.path not in problem.in_loop and problem.split_ks.get((i.path, "zero3"))}
+    return _largest_splits(problem, per_layer=False)
 
 
 def probe_splits(problem: Problem, kind: ProbeKind) -> dict[str, int]:
@@ -312,6 +317,7 @@ def remat_kinds(problem: Problem, policies) -> list[ProbeKind]:
 # probe kinds compiled at the largest batch size only, their terms carried to the smaller sizes (``calibrate``:
 # the remat terms in proportion to the batch, the split's saving per byte as it is)
 AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.SPLIT_STEP, ProbeKind.REMAT_DOTS, ProbeKind.REMAT_NONE})
+UNTIMED = frozenset({ProbeKind.SPLIT, ProbeKind.SPLIT_STEP})  # probe kinds never run and timed (memory terms only)
 
 
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
@@ -344,8 +350,8 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
-    requests = [(kind, batches[b], probe_splits(problem, kind),
-                 measure_time and kind not in (ProbeKind.SPLIT, ProbeKind.SPLIT_STEP)) for kind, b in jobs]
+    requests = [(kind, batches[b], probe_splits(problem, kind), measure_time and kind not in UNTIMED)
+                for kind, b in jobs]
     many = getattr(calibrator, "profile_many", None)
     done = (many(problem, requests) if many is not None
             else ((i, calibrator.profile(problem, *request)) for i, request in enumerate(requests)))
@@ -364,8 +370,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
                         got.get(ProbeKind.SPLIT_STEP), step_share)
         last_saving = probed[b].last_saving
         timed = [(sec, got[kind].flops / hw.flops, _modelled_comm(problem, kind, hw))
-                 for kind in kinds if kind not in (ProbeKind.SPLIT, ProbeKind.SPLIT_STEP) and (kind, b) in runs
-                 and (sec := runs[kind, b][1]) is not None]
+                 for kind in kinds if kind not in UNTIMED and (kind, b) in runs and (sec := runs[kind, b][1]) is not None]
         if timed:
             cf, cc = fit_time(timed)
             probed[b] = dataclasses.replace(probed[b], compute_scale=cf, comm_scale=cc)

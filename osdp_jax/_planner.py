@@ -537,8 +537,7 @@ def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
             extra = lesson.penalty(t.mem.shape) + (0.0 if extra is None else extra)
         mem = t.mem if extra is None else t.mem + extra
         least = lower_bound(t.time, mem, t.pools, limit - t.base_mem)
-        order.append((-_candidate(size, Solution(np.zeros(0, np.int64), least, 0.0), t)[0], len(order), size, t, extra,
-                      least))
+        order.append((-_bound_speed(size, t, least), len(order), size, t, extra, least))
     for _, _, size, t, extra, least in sorted(order, key=lambda x: x[:2]):
         give_up = math.inf
         if best is not None and size is not None and best[5]:
@@ -556,11 +555,17 @@ def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
     return best, min_needed
 
 
+def _bound_speed(size, t, least: float) -> float:
+    """A candidate's first field (samples/s) at batch ``size`` for ``least`` seconds of items (an
+    LP bound): at least the optimum's."""
+    return _candidate(size, Solution(np.zeros(0, np.int64), least, 0.0), t)[0]
+
+
 def _bound(tables_for: dict, limit: float) -> float:
     """The most samples/s the LP bound allows over every batch size under ``limit`` bytes (at least
     the optimum's)."""
-    return max(_candidate(size, Solution(np.zeros(0, np.int64), lower_bound(t.time, t.mem, t.pools, limit - t.base_mem),
-                                         0.0), t)[0] for size, t in tables_for.items())
+    return max(_bound_speed(size, t, lower_bound(t.time, t.mem, t.pools, limit - t.base_mem))
+               for size, t in tables_for.items())
 
 
 def _known(problem: Problem, probes: dict, tables_for: dict) -> list:
