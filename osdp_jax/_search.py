@@ -193,7 +193,9 @@ class Front:
     bound: float = math.inf  # seconds: only the plans no slower are held (pareto_front's time_bound)
 
     def best(self, budget: float) -> Solution:
-        """The fastest point within ``budget`` (at most the front's), as a :class:`Solution`."""
+        """The fastest point within ``budget`` (at most the front's), as a :class:`Solution`; of
+        points as fast (within 1e-12 of its seconds: sums of the same choices taken in another
+        order differ in the last bits), the one of least peak (``max_k`` of its resources)."""
         if budget > self.budget:
             raise ValueError(f"this front holds the plans within {self.budget:.6g}, not {budget:.6g}")
         _, _, _, res, ok = self.costs
@@ -204,7 +206,9 @@ class Front:
                               f"{self.bound:.6g} s")
         if not len(fits):
             raise _infeasible(budget, _min_peak(res, ok))
-        return self._solution(int(fits[np.argmin(self.time[fits])]))
+        fastest = self.time[fits].min()
+        ties = fits[self.time[fits] <= fastest + abs(fastest) * 1e-12]
+        return self._solution(int(ties[np.argmin(self.res[ties].max(axis=1))]))
 
     def _solution(self, point: int) -> Solution:
         time_cost, mem_cost, pools, _, _ = self.costs
@@ -243,6 +247,13 @@ def pareto_front(time_cost, mem_cost, pools, budget: float, time_bound: float = 
         groups.setdefault(key, []).append(i)
     groups = {(key, j): part for key, items in groups.items()
               for j, part in enumerate(_chunks(items, int(ok[items[0]].sum())))}
+    # coarsest first: the hull bound of the items after a stage is the LP bound, loose by about
+    # the largest step one of them can take (a layer's remat policy, hundreds of MiB, bought in
+    # part); once those are placed, the bound of the rest is nearly exact and cuts the partial
+    # plans early (gpt2-48l-1536's search at 12 GB: 1.3 s in the items' order, 0.06 s so)
+    step = {g: float((res[items[0], ok[items[0]]].max(axis=0) - res[items[0], ok[items[0]]].min(axis=0)).max())
+            for g, items in groups.items()}
+    groups = dict(sorted(groups.items(), key=lambda kv: -step[kv[0]]))
     remaining = need.copy()
     bounded = math.isfinite(time_bound)
     if bounded:

