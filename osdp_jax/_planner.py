@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import optax
 
-from ._calibration import MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices, uncalibrated
+from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices,
+                           step_split_probe, uncalibrated)
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -131,6 +132,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     problem = build_problem(params, mesh, axes, strategies, splits, o.loss_fn,
                             None if o.batch is None else batches[min(batches)], o.units, o.unit_remat,
                             check_dtype(o.compute_dtype))
+    problem = _step_splits_worth_probing(problem, budget)
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
     one = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,
                             abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
@@ -398,6 +400,22 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     return replan(tables_for(ours, new), ours, new)
 
 
+def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:
+    """``problem``, or, when splitting every per-step splittable kernel at its largest k would
+    shrink their gathered bytes by under ``STEP_SPLIT_SHARE`` of the budget, ``problem`` with those
+    kernels never split: what such a split saves, ``tau (1 - 1/k) p`` bytes of temp (``_cost``,
+    tau at most zeta, about 2), is under twice that share, and calibrating it costs the
+    SPLIT_STEP probe, one compile of about ten (bert-mini's MLM dense kernel: 14 KiB of 4 MiB)."""
+    kernels = step_split_probe(problem)
+    most = sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := kernels.get(i.path)))
+    if not kernels or most >= STEP_SPLIT_SHARE * budget:
+        return problem
+    log.info("per-step kernels not split: at most %s of gathered weights to save, under %.0f%% of the budget",
+             format_bytes(most), 100 * STEP_SPLIT_SHARE)
+    return problem.without_splits(kernels)
+
+
+STEP_SPLIT_SHARE = 0.01  # per-step kernels are split only if that can shrink their gathered bytes by this share of the budget
 MARGIN_COST = 0.01  # a plan gives up at most this share of predicted samples/s to leave an earlier plan's error free
 # the share of the budget a plan leaves free when no larger error of the model was seen (as an earlier
 # plan's error is left free, within MARGIN_COST): the cost model's errors on mixed plans where it is

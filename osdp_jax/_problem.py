@@ -71,6 +71,18 @@ class Problem:
                         for i, row in zip(self.infos, self.options))
         return dataclasses.replace(self, columns=(*self.columns, *extra), options=options)
 
+    def without_splits(self, paths) -> "Problem":
+        """The problem with the kernels ``paths`` never split: their k > 1 columns unavailable
+        (a kernel that must split, ``splits`` without 1, keeps them)."""
+        options, ks = [], dict(self.split_ks)
+        for i, row in zip(self.infos, self.options):
+            sharded = {s for (p, s), k in self.split_ks.items() if p == i.path and k}
+            if i.path in paths and sharded and all(row[self.columns.index((s, 1))] is not None for s in sharded):
+                row = tuple(None if c[1] > 1 else o for c, o in zip(self.columns, row))
+                ks.update({(i.path, s): [] for s in sharded})
+            options.append(row)
+        return dataclasses.replace(self, options=tuple(options), split_ks=ks)
+
     def stack_layers(self, s: int) -> int:
         """Layers of stack ``s``."""
         return next(i.shape[0] for i in self.infos if i.path == self.stacks[s][0])

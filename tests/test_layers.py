@@ -308,6 +308,39 @@ def test_remat_and_split_probes_run_at_the_largest_batch_size_only(monkeypatch):
     assert both.remat[16]["none"][0] == (figures["N/16"]["temp_bytes"] - figures["L/16"]["temp_bytes"]) / under
 
 
+def test_per_step_splits_are_searched_only_where_they_can_matter(monkeypatch, caplog):
+    """Split at its largest k, the toy's one per-step splittable kernel (the LM head) shrinks its
+    gathered bytes by s = (1 - 1/4) p. With s at least ``STEP_SPLIT_SHARE`` of the budget, the
+    SPLIT_STEP probe is compiled and the head may split; under it, neither: no probe, and no
+    split column offered for the head."""
+    import logging
+    from osdp_jax import _planner
+    _, params, _, _ = toy.stack_setup()
+    budget = 5 * 2**20
+    most = (1 - 1 / 4) * 64 * 16 * 4  # bytes: lm_head/kernel (64, 16) float32 at k = 4
+    asked = []
+
+    class Spy(RecordedCalibrator):
+        def profile(self, problem, kind, batch, splits, timed):
+            asked.append(kind.value)
+            return super().profile(problem, kind, batch, splits, timed)
+
+    monkeypatch.setattr(RecordedCalibrator, "from_json", classmethod(lambda cls, path: Spy(json.loads(path.read_text()))))
+    for share, probed in ((0.99 * most / budget, True), (1.01 * most / budget, False)):
+        monkeypatch.setattr(_planner, "STEP_SPLIT_SHARE", share)
+        asked.clear()
+        with caplog.at_level(logging.INFO, logger="osdp_jax"):
+            caplog.clear()
+            plan = _recorded_plan(budget, splits=(1, 2, 4))
+        assert ("P" in asked) == probed, (share, asked)
+        assert ("per-step kernels not split" in caplog.text) == (not probed)
+        head = next(p for p in plan.params if p.path == "lm_head/kernel")
+        assert probed or head.split == 1
+    assert params["lm_head"]["kernel"].shape == (64, 16)
+    monkeypatch.undo()
+    assert _planner.STEP_SPLIT_SHARE == 0.01
+
+
 def test_remat_is_searched_per_layer_and_recorded_in_the_plan():
     """With the remat policies offered, a generous budget runs every layer without remat (the
     fastest); a tighter one mixes policies or keeps full remat; full remat only is never faster."""
