@@ -75,9 +75,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
       mesh: the device mesh; ``axis`` names its data-parallel axes (default: all of them).
       options: a :class:`PlanOptions`; or pass its fields as keywords: ``budget``, ``loss_fn``,
         ``batch``, ``batch_sizes``, ``optimizer``, ``hardware``, ``strategies``, ``axis``, ``splits``
-        (``(1,)`` disables operator splitting), ``verify`` (True, the default, or ``"figures"``:
-        compile the chosen plan for XLA's figures only, as the probes are, about a third of a full
-        compile on XLA:CPU and within 1 KiB of its peak there (exact elsewhere), and
+        (``(1,)`` disables operator splitting; a kernel gathered once per step is split only when
+        splitting all such kernels could shrink them by ``STEP_SPLIT_SHARE``, 1%, of the budget),
+        ``verify`` (True, the default, or ``"figures"``: compile the chosen plan for XLA's
+        figures only, as the probes are, about a third of a full compile on XLA:CPU and within 1 KiB of its peak there (exact elsewhere), and
         ``make_train_step`` compiles it to run; ``"full"``: compile it to run here, the executable
         ``make_train_step`` then takes (no compile there), checked as a probe first when predicted
         within 10% of the budget: for a plan trained at once, one compile less in all; False: trust

@@ -227,3 +227,18 @@ def test_the_two_resource_prune_keeps_exactly_the_undominated_points(seed):
     order = ok[np.lexsort((*res[ok].T[::-1], time[ok]))]
     want = {int(i) for pos, i in enumerate(order) if not (res[order[:pos]] <= res[i]).all(axis=1).any()}
     assert got == want and len(want) >= 10
+
+
+def test_of_equally_fast_plans_the_least_peak_is_taken_whatever_the_item_order():
+    """Two items whose choices trade the same seconds for different memory: the plans (1, 0) and
+    (0, 1) are equally fast (to the last bit or nearly) and differ in peak; the search takes the
+    one of least peak, the same with the items in either order (the stage order, coarsest item
+    first, and the summation order do not choose it)."""
+    t = np.array([[0.3, 0.2], [0.4, 0.3]])  # 0.2 + 0.4 is 0.6 and one bit; 0.3 + 0.3 is 0.6
+    m = np.array([[0.0, 40.0], [0.0, 50.0]])  # the plan of 40 bytes is the one bit slower
+    pools = np.zeros((2, 2, 1))
+    for order in ([0, 1], [1, 0]):
+        sol = solve_pools(t[order], m[order], pools, 60.0)
+        assert sol.mem == 40.0 and list(np.array(order)[np.flatnonzero(sol.choices)]) == [0]
+        front = pareto_front(t[order], m[order], pools, 100.0)
+        assert front.best(60.0).mem == 40.0 and front.best(100.0).mem == 90.0
