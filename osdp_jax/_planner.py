@@ -78,11 +78,11 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         (``(1,)`` disables operator splitting; a kernel gathered once per step is split only when
         splitting all such kernels could shrink them by ``STEP_SPLIT_SHARE``, 1%, of the budget),
         ``verify`` (True, the default, or ``"figures"``: compile the chosen plan for XLA's
-        figures only, as the probes are, about a third of a full compile on XLA:CPU and within 1 KiB of its peak there (exact elsewhere), and
-        ``make_train_step`` compiles it to run; ``"full"``: compile it to run here, the executable
-        ``make_train_step`` then takes (no compile there), checked as a probe first when predicted
-        within 10% of the budget: for a plan trained at once, one compile less in all; False: trust
-        the model),
+        figures only, as the probes are, about a third of a full compile on XLA:CPU and within
+        1 KiB of its peak there (exact elsewhere), and ``make_train_step`` compiles it to run;
+        ``"full"``: compile it to run here, the executable ``make_train_step`` then takes (no
+        compile there), checked as a probe first when predicted within 10% of the budget: for a
+        plan trained at once, one compile less in all; False: trust the model),
         ``measure_time`` (runs the probes on the
         mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
