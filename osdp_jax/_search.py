@@ -14,7 +14,9 @@ Exactness, without rounding memory to a grid: the peak ``sum mem + max_k pool_k`
 budget iff ``sum (mem + pool_k) <= budget`` for every pool k, a K-resource knapsack. One core,
 :func:`solve_pools`, keeps the Pareto set of (time, resource_1..K) over partial assignments,
 dropping a point only when another is no worse in time and every resource; identical items are
-grouped and their choices enumerated as counts, which keeps 96 identical layers to one step.
+grouped and their choices enumerated as counts, which keeps 96 identical layers to one step, and
+the groups are placed coarsest first (the largest memory step first), where the LP bound that cuts
+partial plans is loosest.
 :func:`solve`'s units are one-hot pools (:func:`unit_pools`), so it runs on the same core.
 :func:`min_peak` and :func:`least_memory` give the least memory any assignment needs, directly.
 """
