@@ -277,6 +277,13 @@ def step_split_probe(problem: Problem) -> dict[str, int]:
     return _largest_splits(problem, per_layer=False)
 
 
+def step_split_bytes(problem: Problem) -> float:
+    """Bytes the SPLIT_STEP probe's splits take off the per-step kernels' gathered weights,
+    ``sum (1 - 1/k) p`` (0 without such a kernel)."""
+    splits = step_split_probe(problem)
+    return sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := splits.get(i.path)))
+
+
 def probe_splits(problem: Problem, kind: ProbeKind) -> dict[str, int]:
     """The split counts a probe runs with (path -> k; only SPLIT and SPLIT_STEP split)."""
     return {ProbeKind.SPLIT: split_probe, ProbeKind.SPLIT_STEP: step_split_probe}.get(kind, lambda _: {})(problem)
@@ -342,8 +349,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     kinds = probe_kinds(problem)
     splits = split_probe(problem)
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
-    step_splits = step_split_probe(problem)
-    step_share = sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := step_splits.get(i.path)))
+    step_share = step_split_bytes(problem)
     top, ends = sizes[-1], sorted({sizes[0], sizes[-1]})
     jobs = [(kind, b) for b in ends for kind in (*kinds, *remat_kinds(problem, policies))
             if kind not in AT_TOP or b == top]

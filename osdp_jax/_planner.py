@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices,
-                           step_split_probe, uncalibrated)
+                           step_split_bytes, step_split_probe, uncalibrated)
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -408,7 +408,7 @@ def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:
     tau at most zeta, about 2), is under twice that share, and calibrating it costs the
     SPLIT_STEP probe, one compile of about ten (bert-mini's MLM dense kernel: 14 KiB of 4 MiB)."""
     kernels = step_split_probe(problem)
-    most = sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := kernels.get(i.path)))
+    most = step_split_bytes(problem)
     if not kernels or most >= STEP_SPLIT_SHARE * budget:
         return problem
     log.info("per-step kernels not split: at most %s of gathered weights to save, under %.0f%% of the budget",
