@@ -15,6 +15,7 @@ from ._hardware import PRESETS, Hardware
 from ._layout import Collective, Layout, ParamLayout
 from ._plan import ParamPlan, Plan
 from ._planner import plan
+from ._budgets import plan_budgets
 from ._search import InfeasibleBudgetError
 from ._strategies import STRATEGIES
 from ._units import format_bytes, parse_bytes
@@ -32,5 +33,5 @@ __all__ = [
     "Collective", "Hardware", "InfeasibleBudgetError", "Layout", "PRESETS", "ParamInfo", "ParamLayout",
     "ParamPlan", "Plan", "STRATEGIES", "Segment", "Segmented", "StepProfile", "abstract_state", "batch_sharding", "compile_step", "cut_segments",
     "describe", "discover", "enable_compilation_cache", "flat_params", "format_bytes", "hardware", "gather_params", "init_opt_state", "layers", "make_eval_step", "make_train_step", "merge_segments", "parse_bytes", "path_name", "whole_target",
-    "plan", "planning", "profile_compiled", "profile_step", "search", "shard", "split", "strategies", "units", "xla",
+    "plan", "plan_budgets", "planning", "profile_compiled", "profile_step", "search", "shard", "split", "strategies", "units", "xla",
 ]

@@ -28,6 +28,7 @@ import numpy as np
 
 from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._describe import describe
+from ._discover import clear_found
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.place import abstract_args
@@ -124,8 +125,10 @@ def compile_threads() -> int:
 
 def clear_probe_cache() -> None:
     """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``), and the
-    pool overlaps, unit scales and error margins fitted on compiled plans."""
+    pool overlaps, unit scales and error margins fitted on compiled plans, and what tracing each
+    loss found (``_discover.find``)."""
     _PROBES.clear()
+    clear_found()
     OVERLAPS.clear()
     UNIT_SCALES.clear()
     MARGINS.clear()

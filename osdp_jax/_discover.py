@@ -16,6 +16,7 @@ a loop over budgets) finds the probes compiled for the old one.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 from typing import NamedTuple
 
@@ -72,8 +73,44 @@ def _rules(jaxpr):
                     yield getattr(info, "func_src_info", None)
 
 
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return str(treedef), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves)
+
+
 def find(loss_fn, params, batch) -> Found:
-    """What tracing ``loss_fn`` once, abstractly, shows (``params`` and ``batch`` may be abstract)."""
+    """What tracing ``loss_fn`` once, abstractly, shows (``params`` and ``batch`` may be abstract).
+
+    Kept in the process for the same function object and argument shapes (``_FOUND``, the last
+    :data:`KEEP_FOUND`), as ``jax.jit`` keeps a trace: planning the loss again (another budget,
+    a sweep) does not trace it again (0.13 s on gpt2-48l-1536). ``planning.clear_probe_cache``
+    forgets them."""
+    try:
+        key = (loss_fn, _signature(params), _signature(batch))
+        hash(key)
+    except TypeError:  # an unhashable loss function: traced every time
+        key = None
+    if key is not None and key in _FOUND:
+        _FOUND.move_to_end(key)
+        return _FOUND[key]
+    found = _find(loss_fn, params, batch)
+    if key is not None:
+        _FOUND[key] = found
+        while len(_FOUND) > KEEP_FOUND:
+            _FOUND.popitem(last=False)
+    return found
+
+
+_FOUND: "collections.OrderedDict" = collections.OrderedDict()
+KEEP_FOUND = 16
+
+
+def clear_found() -> None:
+    """Forget what :func:`find` kept."""
+    _FOUND.clear()
+
+
+def _find(loss_fn, params, batch) -> Found:
     ctx = StepContext(recording=True)
 
     def traced(p, b):

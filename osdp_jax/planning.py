@@ -7,9 +7,10 @@ instead of compiling (tests, offline what-ifs); :class:`XlaCalibrator` compiles,
 """
 from ._calibration import (Calibrator, ProbeKind, RecordedCalibrator, XlaCalibrator, calibrate, clear_probe_cache,
                            compile_threads)
+from ._budgets import compile_ahead, plan_budgets
 from ._planner import PlanOptions
 from ._problem import Problem, build_problem
 from .runtime.step import clear_compiled
 
 __all__ = ["Calibrator", "PlanOptions", "ProbeKind", "Problem", "RecordedCalibrator", "XlaCalibrator", "clear_probe_cache",
-           "build_problem", "calibrate", "clear_compiled", "compile_threads"]
+           "build_problem", "calibrate", "clear_compiled", "compile_ahead", "compile_threads", "plan_budgets"]

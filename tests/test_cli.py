@@ -150,6 +150,8 @@ def test_budget_sweep_table_and_plot(tmp_path):
     text = sweep_markdown("m", rows, 12.34)
     assert "| budget | DDP | FSDP | OSDP | planning s (all methods) |" in text
     assert text.rstrip().endswith("The whole sweep: 12.3 s of planning.")
+    ahead = sweep_markdown("m", rows, 12.34, {"seconds": 5.04, "compiles": 3})
+    assert "The whole sweep: 12.3 s of planning. Of it, 5.0 s went to 3 verification compiles done ahead" in ahead
     assert "| 4.00 GiB | - | - | - | 3.0 |" in text and "| 6.00 GiB | - | 50.0 | 55.0 | 3.0 |" in text
     plot_sweep("m", rows, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").stat().st_size > 0
@@ -171,8 +173,10 @@ def test_budget_sweep_mini(tmp_path):
     out = tmp_path / "sweep"
     assert cli.main(["compare", "experiments/gpt2_mini.toml", "--budgets", "1.2MiB,2MiB,3MiB",
                      "--plan.batch_sizes=32", "--out", str(out)]) == 0
-    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    written = json.loads((out / "sweep.json").read_text())
+    rows = written["rows"]
     assert len(rows) == 9 and (out / "sweep.png").stat().st_size > 0
+    assert written["ahead"]["compiles"] >= 0 and written["ahead"]["seconds"] <= written["seconds"]
     for r in rows:
         if r["fits"]:
             assert r["xla_peak_bytes"] <= r["budget_bytes"]
