@@ -6,9 +6,9 @@ others, a layout compiled at one budget is not compiled again at another, and th
 memory XLA needed over the model on a compiled plan is left free at the next budgets
 (``osdp_jax.plan``): after the first budget a method's plan is usually one compile. Those
 compiles are done ahead, together (``osdp_jax.planning.compile_ahead``, as
-``osdp_jax.plan_budgets`` does for one method): every method's plan at every later budget is
-drafted by the cost model, the drafts' steps are compiled at once, pipelined over the compile
-threads, and then each budget is planned in turn, finding its step compiled.
+``osdp_jax.plan_budgets`` does for one method): every method's plan at the first budget, then
+at every later budget, is drafted by the cost model, the drafts' steps are compiled at once,
+pipelined over the compile threads, and then each is planned in turn, finding its step compiled.
 """
 from __future__ import annotations
 
@@ -24,18 +24,20 @@ from . import runner
 def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     """One row per (budget, method); writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` to ``out``.
 
-    Every method is planned at the first budget (the probes compiled, what the compiled plans
-    taught the planner kept); then each later (budget, method) plan is drafted by the cost model
-    and the drafts' verification compiles are done at once (``osdp_jax.planning.compile_ahead``,
-    pipelined over the compile threads); then the later budgets are planned in turn, as before,
-    each finding its draft compiled. The plans are those planned one after the other."""
-    rows, start, ahead = [], time.perf_counter(), {"seconds": 0.0, "compiles": 0}
+    Every method is drafted at the first budget by the cost model (its probes compiled), the
+    drafts' verification compiles are done at once (``osdp_jax.planning.compile_ahead``,
+    pipelined over the compile threads), and the methods are planned there in turn, each finding
+    its draft compiled (what the compiled plans taught the planner is kept). Then the same for
+    every later (budget, method) at once. The plans are those planned one after the other; a
+    draft that an earlier plan's lesson changed costs its compile for nothing."""
+    rows, start = [], time.perf_counter()
+    ahead = {"first": {"seconds": 0.0, "compiles": 0}, "later": {"seconds": 0.0, "compiles": 0}}
     methods = runner.methods(s)
     for i, budget in enumerate(budgets):
-        if i == 1:
-            t0 = time.perf_counter()
-            ahead["compiles"] = _compile_ahead(s, budgets[1:], methods)
-            ahead["seconds"] = time.perf_counter() - t0
+        if i < 2:  # the first budget's methods together, then every later (budget, method) together
+            t0, part = time.perf_counter(), ahead["first" if i == 0 else "later"]
+            part["compiles"] = _compile_ahead(s, budgets[:1] if i == 0 else budgets[1:], methods)
+            part["seconds"] = time.perf_counter() - t0
         at = runner.at_budget(s, budget)
         for name, strategies, splits, remat, per_layer in methods:
             row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
@@ -81,29 +83,33 @@ def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple]) ->
 
 def sweep_markdown(model: str, rows: list[dict], seconds: float | None = None, ahead: dict | None = None) -> str:
     """The table; ``seconds``: the whole sweep's planning, written under it; ``ahead``: the
-    ``seconds`` and ``compiles`` of the verification compiles done ahead for the later budgets."""
+    ``seconds`` and ``compiles`` of drafting and compiling ahead the ``"first"`` budget's plans
+    (counted in its row) and the ``"later"`` budgets' (a line of their own)."""
     f = osdp_jax.format_bytes
     names = list(dict.fromkeys(r["method"] for r in rows))
     budgets = list(dict.fromkeys(r["budget_bytes"] for r in rows))
     cell = {(r["budget_bytes"], r["method"]): r for r in rows}
+    ahead = ahead or {}
     lines = [f"# {model}: predicted samples/s against the per-device budget", "",
              "Predicted by the cost model at each method's best batch size; every plan that fits was compiled "
              "and its XLA peak is within the budget. \"-\" marks a budget the method cannot meet. Planning "
-             "seconds are per plan (one that does not fit included), on a warm or cold compilation cache as it "
-             "came.", "",
+             "seconds are per budget, all methods (one that does not fit included), on a warm or cold compilation "
+             "cache as it came.", "",
              "| budget | " + " | ".join(names) + " | planning s (all methods) |",
              "|---" * (len(names) + 2) + "|"]
-    for b in budgets:
+    for i, b in enumerate(budgets):
         here = [cell[b, n] for n in names if (b, n) in cell]
         spent = sum(r.get("planning_seconds", 0.0) for r in here)
+        spent += ahead.get("first", {}).get("seconds", 0.0) if i == 0 else 0.0
         lines.append(f"| {f(b)} | " + " | ".join(
             f"{cell[b, n]['predicted_samples_per_second']:.1f}" if cell.get((b, n), {}).get("fits") else "-"
             for n in names) + f" | {spent:.1f} |")
+    later = ahead.get("later")
+    if later and len(budgets) > 1:
+        lines.append(f"| later budgets' plans, drafted and compiled ahead at once ({later['compiles']} compiles) | "
+                     + " | ".join("" for _ in names) + f" | {later['seconds']:.1f} |")
     if seconds is not None:
         lines += ["", f"The whole sweep: {seconds:.1f} s of planning."]
-    if seconds is not None and ahead:
-        lines[-1] += (f" Of it, {ahead['seconds']:.1f} s went to {ahead['compiles']} verification compiles done "
-                      "ahead, at once, for the budgets after the first (in no row's planning seconds).")
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._describe import describe
 from ._discover import clear_found
+from ._search import clear_kept
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.place import abstract_args
@@ -126,9 +127,10 @@ def compile_threads() -> int:
 def clear_probe_cache() -> None:
     """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``), and the
     pool overlaps, unit scales and error margins fitted on compiled plans, and what tracing each
-    loss found (``_discover.find``)."""
+    loss found (``_discover.find``), and the searches kept (``_search``)."""
     _PROBES.clear()
     clear_found()
+    clear_kept()
     OVERLAPS.clear()
     UNIT_SCALES.clear()
     MARGINS.clear()
@@ -161,11 +163,15 @@ class XlaCalibrator:
     cached: int = 0  # probes found in the in-process cache
     threads: int | None = None  # compile threads (None: the CPUs, at most MAX_THREADS; timed probes: 1)
     _recorded: dict = dataclasses.field(default_factory=dict)
+    _static: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def _key(self, layout, batch, timed, fingerprint: str = ""):
-        params = tuple((i.path, i.shape, str(i.dtype)) for i in describe(self.params))
-        state = jax.eval_shape(self.optimizer.init, self.params)
-        optimizer = (str(jax.tree.structure(state)), tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state)))
+        if self._static is None:  # the parameters' and optimizer state's shapes, once per calibrator
+            state = jax.eval_shape(self.optimizer.init, self.params)
+            self._static = (tuple((i.path, i.shape, str(i.dtype)) for i in describe(self.params)),
+                            (str(jax.tree.structure(state)),
+                             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state))))
+        params, optimizer = self._static
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
         key = (fingerprint or self.loss_fn, optimizer, params, layout, str(jax.tree.structure(batch)), shapes, self.mesh,
                bool(timed))

@@ -23,7 +23,10 @@ partial plans is loosest.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
+import functools
+import hashlib
 import math
 from collections.abc import Sequence
 
@@ -290,6 +293,47 @@ def pareto_front(time_cost, mem_cost, pools, budget: float, time_bound: float = 
     return Front(float(budget), f_time, f_res, stages, (time_cost, mem_cost, pools, res, ok), float(time_bound))
 
 
+def _digest(x) -> object:
+    """A hashable stand-in for an argument of a kept search: an array by its shape, dtype and bytes."""
+    if isinstance(x, np.ndarray):
+        return x.shape, x.dtype.str, hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).digest()
+    return x
+
+
+def _kept(fn):
+    """``fn`` (a pure function of arrays and numbers) with its last :data:`KEEP` results kept by
+    the arguments' contents: planning again at the same budget (a budget sweep's draft, then its
+    verified plan; ``plan()`` re-run) repeats its searches, 0.1 s of each on gpt2-48l-1536. The
+    arrays are copied before the call, so a result holds none a caller may change."""
+    kept: collections.OrderedDict = collections.OrderedDict()
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        key = (tuple(_digest(np.asarray(a) if isinstance(a, (list, np.ndarray)) else a) for a in args),
+               tuple(sorted((k, _digest(v)) for k, v in kwargs.items())))
+        if key in kept:
+            kept.move_to_end(key)
+            return kept[key]
+        args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+        out = kept[key] = fn(*args, **kwargs)
+        while len(kept) > KEEP:
+            kept.popitem(last=False)
+        return out
+
+    wrapper.clear = kept.clear
+    return wrapper
+
+
+KEEP = 32  # searches kept per kept function
+
+
+def clear_kept() -> None:
+    """Forget the kept searches (``planning.clear_probe_cache`` does, for a cold plan)."""
+    lower_bound.clear()
+    fastest_front.clear()
+
+
+@_kept
 def lower_bound(time_cost, mem_cost, pools, budget: float) -> float:
     """A lower bound on the optimum's seconds under ``budget``: the LP relaxation of each
     resource's knapsack (``_hull_bounds``); ``inf`` when even that fits no plan, ``-inf``
@@ -303,6 +347,7 @@ def lower_bound(time_cost, mem_cost, pools, budget: float) -> float:
     return float(least(np.full(res.shape[2], budget + abs(budget) * 1e-12)))
 
 
+@_kept
 def fastest_front(time_cost, mem_cost, pools, budget: float, give_up: float = math.inf,
                   steps=tuple(0.002 * 2 ** i for i in range(9)), lb: float | None = None) -> Front:
     """:func:`pareto_front` under time bounds raised from the LP bound of the whole problem until

@@ -17,6 +17,10 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
   (``TrainStep.reused``; ``tests/test_plan.py`` checks it), so this ratio includes the compile
   training would otherwise do.
 
+- *sweep* (the paper config only): ``osdp-jax compare --budgets`` at :data:`SWEEP_BUDGETS`, every
+  cache cleared again (``experiments.sweep.sweep``: DDP, FSDP and OSDP at each budget), its
+  planning seconds over the cold plan's of the same repeat. Issue 16's target: under 2.
+
 Each config is measured ``--repeats`` times (default 3), every cache cleared before each; a ratio
 is taken within one repeat (the same run) and the table gives the medians over the repeats.
 
@@ -30,6 +34,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -38,11 +43,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import jax  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments import config, runner  # noqa: E402
+from experiments import config, runner, sweep  # noqa: E402
 from osdp_jax.planning import clear_compiled, clear_probe_cache, compile_threads  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
 COMPILES = 3  # compiles of the chosen step per repeat; *one compile* is their median
+SWEEP_BUDGETS = ["4GB", "6GB", "8GB", "12GB", "16GB", "24GB", "32GB"]  # the README's paper sweep
 
 
 def _plan(s, budget, verify=True):
@@ -73,9 +79,16 @@ def measure(name: str) -> dict:
         osdp_jax.compile_step(s.loss_fn, s.optimizer, s.abstract_params(), batch, s.mesh, full)
         compiles.append(time.perf_counter() - t0)
     one = statistics.median(compiles)
+    swept = None
+    if name.startswith("paper/"):
+        _cold()
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            sweep.sweep(s, pathlib.Path(tmp), SWEEP_BUDGETS)
+            swept = time.perf_counter() - t0
     return dict(name=name, one=one, cold=cold_s, cold_compiles=cold.compiles, warm=warm_s,
                 warm_compiles=warm.compiles, same=warm.layout == cold.layout, full=full_s,
-                full_compiles=full.compiles, full_same=full.layout == cold.layout)
+                full_compiles=full.compiles, full_same=full.layout == cold.layout, sweep=swept)
 
 
 def medians(runs: list[dict]) -> dict:
@@ -87,6 +100,10 @@ def medians(runs: list[dict]) -> dict:
            "full_same": all(r["full_same"] for r in runs)}
     for k in ("one", "cold", "warm", "full"):
         row[k] = med(lambda r: r[k])
+    if runs[0]["sweep"] is not None:
+        row["sweep"] = med(lambda r: r["sweep"])
+        row["sweep_ratios"] = [r["sweep"] / r["cold"] for r in runs]
+        row["sweep_ratio"] = statistics.median(row["sweep_ratios"])
     for k in ("cold", "warm", "full"):
         row[f"{k}_ratio"] = med(lambda r: r[k] / r["one"])
         row[f"{k}_ratios"] = [r[k] / r["one"] for r in runs]
@@ -110,7 +127,9 @@ def main():
             print(f"{name} ({i + 1}/{args.repeats}): one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s "
                   f"({r['cold_compiles']} compiles, ratio {r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s "
                   f"({r['warm_compiles']} compiles, ratio {r['warm'] / r['one']:.2f}); cold, verify=full "
-                  f"{r['full']:.1f} s ({r['full_compiles']} compiles, ratio {r['full'] / r['one']:.2f})", flush=True)
+                  f"{r['full']:.1f} s ({r['full_compiles']} compiles, ratio {r['full'] / r['one']:.2f})"
+                  + (f"; sweep {r['sweep']:.1f} s ({r['sweep'] / r['cold']:.2f} cold plans)" if r["sweep"] else ""),
+                  flush=True)
         rows.append(medians(runs))
     lines = ["# Planning time", "",
              "Measured with `python experiments/benchmarks/planning_time.py` on this 2-core machine, 8 simulated",
@@ -132,6 +151,14 @@ def main():
     lines += ["", "The repeats' ratios (cold; second budget; cold, verify=\"full\"):", ""]
     lines += [f"- {r['name']}: " + "; ".join(", ".join(f"{x:.2f}" for x in r[f"{k}_ratios"])
                                             for k in ("cold", "warm", "full")) for r in rows]
+    swept = [r for r in rows if "sweep" in r]
+    if swept:
+        lines += ["", f"A budget sweep, `osdp-jax compare CONFIG --budgets {','.join(SWEEP_BUDGETS)}` (DDP, FSDP "
+                  "and OSDP at each budget, `experiments/sweep.py`), every cache cleared before it, against the cold "
+                  "plan of the same repeat (issue 16's target: under 2 cold plans):", "",
+                  "| config | sweep | cold plan() | sweep / cold plan | repeats |", "|---|---|---|---|---|"]
+        lines += [f"| {r['name']} | {r['sweep']:.1f} s | {r['cold']:.1f} s | {r['sweep_ratio']:.2f} | "
+                  + ", ".join(f"{x:.2f}" for x in r["sweep_ratios"]) + " |" for r in swept]
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",
               "not one). A cold plan compiles every probe (the all-replicated, per-layer and all-zero3 steps at",
               "the smallest and largest batch size, the split and remat probes at the largest only) and the",
