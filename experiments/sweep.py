@@ -69,7 +69,9 @@ def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple]) ->
     drafts = []
     for budget in budgets:
         at = runner.at_budget(s, budget)
-        for _, strategies, splits, remat, per_layer in methods:
+        # OSDP (the widest space) first: its probes, compiled in one batch, include the baselines'
+        # (a draft changes nothing the verified plans learn, so the order changes no plan)
+        for _, strategies, splits, remat, per_layer in reversed(methods):
             try:
                 drafts.append(runner.make_plan(at, strategies=strategies, splits=splits, remat=remat,
                                                per_layer=per_layer, verify=False))
