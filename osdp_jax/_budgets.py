@@ -54,7 +54,8 @@ def compile_ahead(params, mesh, plans, options: PlanOptions | None = None, **kwa
     if o.loss_fn is None:
         return 0
     loss_fn = PlainLoss.of(o.loss_fn, o.has_aux, o.rng, o.state)
-    batches = _batches(loss_fn, o.batch, o.batch_sizes or sorted({p.batch_size for p in plans}),
+    plans = list(plans)
+    batches = _batches(loss_fn, o.batch, sorted({p.batch_size for p in plans}),  # each plan's own size
                        axes_size(mesh, data_axes(mesh, o.axis)))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     steps, seen = [], set()
@@ -82,6 +83,9 @@ def plan_budgets(params, mesh, budgets, options: PlanOptions | None = None, **kw
     ``experiments/sweep.py`` reports)."""
     if "budget" in kwargs:
         raise TypeError("plan_budgets takes budgets=[...], not budget=")
+    if isinstance(budgets, (str, bytes, int, float)):
+        raise TypeError(f"budgets must be a list of budgets, e.g. ['4GB', '8GB'], got {budgets!r}; for one "
+                        f"budget use osdp_jax.plan(..., budget=...)")
     o = _options(options, kwargs)
     budgets = [parse_bytes(b) for b in budgets]
     out = []

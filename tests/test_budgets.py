@@ -71,6 +71,7 @@ def test_plan_budgets_gives_plan_at_each_budget_with_the_later_compiles_done_ahe
     clear_compiled()
     assert compile_ahead(params, mesh, drafts + drafts, **kw) == 2  # each once (the probes' steps forgotten too)
     assert compile_ahead(params, mesh, drafts) == 0
+    assert compile_ahead(params, mesh, drafts, **{**kw, "batch_sizes": (8,)}) == 0  # each plan at its own size
     assert osdp_jax.plan(params, mesh, budget=budgets[1], **kw).compiles == 0
 
 
@@ -81,6 +82,8 @@ def test_plan_budgets_bad_input_is_one_error_before_any_compile(mesh):
         osdp_jax.plan_budgets(params, mesh, ["1GB"], budget="1GB", **kw)
     with pytest.raises(ValueError):
         osdp_jax.plan_budgets(params, mesh, ["1GB", "lots"], **kw)
+    with pytest.raises(TypeError, match="a list of budgets"):
+        osdp_jax.plan_budgets(params, mesh, "8GB", **kw)
     assert compile_count() == n0
     assert osdp_jax.plan_budgets(params, mesh, [], **kw) == []
 
