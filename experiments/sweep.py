@@ -6,9 +6,9 @@ others, a layout compiled at one budget is not compiled again at another, and th
 memory XLA needed over the model on a compiled plan is left free at the next budgets
 (``osdp_jax.plan``): after the first budget a method's plan is usually one compile. Those
 compiles are done ahead, together (``osdp_jax.planning.compile_ahead``, as
-``osdp_jax.plan_budgets`` does for one method): every method's plan at the first budget, then
-at every later budget, is drafted by the cost model, the drafts' steps are compiled at once,
-pipelined over the compile threads, and then each is planned in turn, finding its step compiled.
+``osdp_jax.plan_budgets`` does for one method): every method's plan at every later budget is
+drafted by the cost model, the drafts' steps are compiled at once, pipelined over the compile
+threads, and then each is planned in turn, finding its step compiled.
 """
 from __future__ import annotations
 
@@ -24,19 +24,20 @@ from . import runner
 def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     """One row per (budget, method); writes ``sweep.json``, ``sweep.md`` and ``sweep.png`` to ``out``.
 
-    Every method is drafted at the first budget by the cost model (its probes compiled), the
-    drafts' verification compiles are done at once (``osdp_jax.planning.compile_ahead``,
-    pipelined over the compile threads), and the methods are planned there in turn, each finding
-    its draft compiled (what the compiled plans taught the planner is kept). Then the same for
-    every later (budget, method) at once. The plans are those planned one after the other; a
-    draft that an earlier plan's lesson changed costs its compile for nothing."""
+    Every method is drafted at the first budget by the cost model, OSDP first, so that the probes
+    of all are compiled in one batch, and planned there in turn (what the compiled plans teach the
+    planner is kept: FSDP's miss at the README's first budget changes OSDP's choice there). Then
+    every later (budget, method) is drafted, the drafts' verification compiles are done at once
+    (``osdp_jax.planning.compile_ahead``, pipelined over the compile threads), and each is planned
+    in turn, finding its draft compiled. The plans are those planned one after the other; a draft
+    that an earlier plan's lesson changed costs its compile for nothing."""
     rows, start = [], time.perf_counter()
     ahead = {"first": {"seconds": 0.0, "compiles": 0}, "later": {"seconds": 0.0, "compiles": 0}}
     methods = runner.methods(s)
     for i, budget in enumerate(budgets):
-        if i < 2:  # the first budget's methods together, then every later (budget, method) together
+        if i < 2:  # the first budget drafted (its probes in one batch); then the later ones, compiled ahead
             t0, part = time.perf_counter(), ahead["first" if i == 0 else "later"]
-            part["compiles"] = _compile_ahead(s, budgets[:1] if i == 0 else budgets[1:], methods)
+            part["compiles"] = _compile_ahead(s, budgets[:1] if i == 0 else budgets[1:], methods, compile=i > 0)
             part["seconds"] = time.perf_counter() - t0
         at = runner.at_budget(s, budget)
         for name, strategies, splits, remat, per_layer in methods:
@@ -63,9 +64,11 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     return rows
 
 
-def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple]) -> int:
-    """Every method's draft at each of ``budgets`` (the cost model's plan, not verified), their
-    verification compiles done at once; the number of steps compiled."""
+def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple], compile: bool = True) -> int:
+    """Every method's draft at each of ``budgets`` (the cost model's plan, not verified), and with
+    ``compile`` their verification compiles done at once; the number of steps compiled. Without,
+    the drafts compile only the probes (the first budget: what its verified plans teach the
+    planner can change the next method's choice there, so its drafts are not compiled)."""
     drafts = []
     for budget in budgets:
         at = runner.at_budget(s, budget)
@@ -77,6 +80,8 @@ def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple]) ->
                                                per_layer=per_layer, verify=False))
             except osdp_jax.InfeasibleBudgetError:
                 pass  # nothing to compile ahead: planned in turn, it compiles what it needs
+    if not compile:
+        return 0
     p = s.cfg.plan
     return osdp_jax.planning.compile_ahead(s.abstract_params(), s.mesh, drafts, loss_fn=s.loss_fn,
                                           batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes,
@@ -86,7 +91,7 @@ def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple]) ->
 def sweep_markdown(model: str, rows: list[dict], seconds: float | None = None, ahead: dict | None = None) -> str:
     """The table; ``seconds``: the whole sweep's planning, written under it; ``ahead``: the
     ``seconds`` and ``compiles`` of drafting and compiling ahead the ``"first"`` budget's plans
-    (counted in its row) and the ``"later"`` budgets' (a line of their own)."""
+    (its probes, counted in its row) and the ``"later"`` budgets' (a line of their own)."""
     f = osdp_jax.format_bytes
     names = list(dict.fromkeys(r["method"] for r in rows))
     budgets = list(dict.fromkeys(r["budget_bytes"] for r in rows))
