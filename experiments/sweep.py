@@ -32,13 +32,19 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     in turn, finding its draft compiled. The plans are those planned one after the other; a draft
     that an earlier plan's lesson changed costs its compile for nothing."""
     rows, start = [], time.perf_counter()
-    ahead = {"first": {"seconds": 0.0, "compiles": 0}, "later": {"seconds": 0.0, "compiles": 0}}
+    ahead = {"first": {"seconds": 0.0}, "later": {"seconds": 0.0, "compiles": 0}}
     methods = runner.methods(s)
     for i, budget in enumerate(budgets):
-        if i < 2:  # the first budget drafted (its probes in one batch); then the later ones, compiled ahead
-            t0, part = time.perf_counter(), ahead["first" if i == 0 else "later"]
-            part["compiles"] = _compile_ahead(s, budgets[:1] if i == 0 else budgets[1:], methods, compile=i > 0)
-            part["seconds"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if i == 0:  # drafted: every method's probes in one batch
+            _drafts(s, budgets[:1], methods)
+            ahead["first"]["seconds"] = time.perf_counter() - t0
+        elif i == 1:  # every later (budget, method) drafted, their verification compiles done at once
+            p = s.cfg.plan
+            ahead["later"]["compiles"] = osdp_jax.planning.compile_ahead(
+                s.abstract_params(), s.mesh, _drafts(s, budgets[1:], methods), loss_fn=s.loss_fn,
+                batch=s.abstract_batch(p.batch_sizes[0]), optimizer=s.optimizer)
+            ahead["later"]["seconds"] = time.perf_counter() - t0
         at = runner.at_budget(s, budget)
         for name, strategies, splits, remat, per_layer in methods:
             row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
@@ -64,11 +70,10 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     return rows
 
 
-def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple], compile: bool = True) -> int:
-    """Every method's draft at each of ``budgets`` (the cost model's plan, not verified), and with
-    ``compile`` their verification compiles done at once; the number of steps compiled. Without,
-    the drafts compile only the probes (the first budget: what its verified plans teach the
-    planner can change the next method's choice there, so its drafts are not compiled)."""
+def _drafts(s: runner.Setup, budgets: list[str], methods: list[tuple]) -> list:
+    """Every method's draft at each of ``budgets``: the cost model's plan, not verified (the
+    first budget's are not compiled ahead: what its verified plans teach the planner can change
+    the next method's choice there)."""
     drafts = []
     for budget in budgets:
         at = runner.at_budget(s, budget)
@@ -80,18 +85,14 @@ def _compile_ahead(s: runner.Setup, budgets: list[str], methods: list[tuple], co
                                                per_layer=per_layer, verify=False))
             except osdp_jax.InfeasibleBudgetError:
                 pass  # nothing to compile ahead: planned in turn, it compiles what it needs
-    if not compile:
-        return 0
-    p = s.cfg.plan
-    return osdp_jax.planning.compile_ahead(s.abstract_params(), s.mesh, drafts, loss_fn=s.loss_fn,
-                                          batch=s.abstract_batch(p.batch_sizes[0]), batch_sizes=p.batch_sizes,
-                                          optimizer=s.optimizer)
+    return drafts
 
 
 def sweep_markdown(model: str, rows: list[dict], seconds: float | None = None, ahead: dict | None = None) -> str:
     """The table; ``seconds``: the whole sweep's planning, written under it; ``ahead``: the
-    ``seconds`` and ``compiles`` of drafting and compiling ahead the ``"first"`` budget's plans
-    (its probes, counted in its row) and the ``"later"`` budgets' (a line of their own)."""
+    ``seconds`` of drafting the ``"first"`` budget's plans (its probes, counted in its row), and
+    the ``seconds`` and ``compiles`` of drafting and compiling ahead the ``"later"`` budgets' (a
+    line of their own)."""
     f = osdp_jax.format_bytes
     names = list(dict.fromkeys(r["method"] for r in rows))
     budgets = list(dict.fromkeys(r["budget_bytes"] for r in rows))

@@ -90,7 +90,7 @@ def plan_budgets(params, mesh, budgets, options: PlanOptions | None = None, **kw
     budgets = [parse_bytes(b) for b in budgets]
     out = []
     for i, budget in enumerate(budgets):
-        if i == 1 and o.verify in (True, "figures") and o.loss_fn is not None and len(budgets) > 1:
+        if i == 1 and o.verify in (True, "figures") and o.loss_fn is not None:
             drafts = [_tried(params, mesh, o, b, verify=False) for b in budgets[1:]]
             compile_ahead(params, mesh, [d for d in drafts if isinstance(d, Plan)], o)
         out.append(_tried(params, mesh, o, budget))

@@ -28,6 +28,7 @@ from ._describe import strip_boxes
 from .runtime.context import StepContext, active
 from .runtime.hooks import wrap_tree
 from .runtime.interception import intercepting
+from .runtime.step import signature
 
 
 class Found(NamedTuple):
@@ -73,11 +74,6 @@ def _rules(jaxpr):
                     yield getattr(info, "func_src_info", None)
 
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return str(treedef), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves)
-
-
 def find(loss_fn, params, batch) -> Found:
     """What tracing ``loss_fn`` once, abstractly, shows (``params`` and ``batch`` may be abstract).
 
@@ -86,9 +82,9 @@ def find(loss_fn, params, batch) -> Found:
     a sweep) does not trace it again (0.13 s on gpt2-48l-1536). ``planning.clear_probe_cache``
     forgets them."""
     try:
-        key = (loss_fn, _signature(params), _signature(batch))
+        key = (loss_fn, signature(params), signature(batch))
         hash(key)
-    except TypeError:  # an unhashable loss function: traced every time
+    except (TypeError, AttributeError):  # an unhashable loss function, a leaf without a dtype: traced every time
         key = None
     if key is not None and key in _FOUND:
         _FOUND.move_to_end(key)
