@@ -33,7 +33,7 @@ from ._search import clear_kept
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
 from .runtime.place import abstract_args
-from .runtime.step import compile_count, compile_many, signature
+from .runtime.step import compile_count, compile_many
 
 log = logging.getLogger("osdp_jax")
 
@@ -172,7 +172,9 @@ class XlaCalibrator:
                             (str(jax.tree.structure(state)),
                              tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state))))
         params, optimizer = self._static
-        key = (fingerprint or self.loss_fn, optimizer, params, layout, signature(batch), self.mesh, bool(timed))
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
+        key = (fingerprint or self.loss_fn, optimizer, params, layout, str(jax.tree.structure(batch)), shapes, self.mesh,
+               bool(timed))
         try:
             hash(key)
         except TypeError:  # an unhashable loss function or optimizer: no caching

@@ -28,7 +28,6 @@ from ._describe import strip_boxes
 from .runtime.context import StepContext, active
 from .runtime.hooks import wrap_tree
 from .runtime.interception import intercepting
-from .runtime.step import signature
 
 
 class Found(NamedTuple):
@@ -74,6 +73,12 @@ def _rules(jaxpr):
                     yield getattr(info, "func_src_info", None)
 
 
+def _signature(tree) -> tuple:
+    """Tree structure, shapes and dtypes (not shardings: abstract and placed arguments trace alike)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return str(treedef), tuple((tuple(np.shape(x)), str(x.dtype)) for x in leaves)
+
+
 def find(loss_fn, params, batch) -> Found:
     """What tracing ``loss_fn`` once, abstractly, shows (``params`` and ``batch`` may be abstract).
 
@@ -82,7 +87,7 @@ def find(loss_fn, params, batch) -> Found:
     a sweep) does not trace it again (0.13 s on gpt2-48l-1536). ``planning.clear_probe_cache``
     forgets them."""
     try:
-        key = (loss_fn, signature(params), signature(batch))
+        key = (loss_fn, _signature(params), _signature(batch))
         hash(key)
     except (TypeError, AttributeError):  # an unhashable loss function, a leaf without a dtype: traced every time
         key = None

@@ -90,7 +90,8 @@ def test_plan_budgets_bad_input_is_one_error_before_any_compile(mesh):
 
 def test_a_loss_is_traced_once_per_shapes_for_discovery():
     """``_discover.find`` keeps what tracing a loss found, per function object and argument
-    shapes; other shapes trace again, and ``clear_probe_cache`` forgets it."""
+    shapes; other shapes trace again, ``clear_probe_cache`` forgets it, and a batch leaf without
+    a dtype is traced each time rather than failing."""
     from osdp_jax._discover import find
     params, tokens = toy.plain_params(), toy.tokens(32)
     traced = []
@@ -105,6 +106,14 @@ def test_a_loss_is_traced_once_per_shapes_for_discovery():
     assert len(traced) == 2
     clear_probe_cache()
     assert find(loss, params, tokens).fingerprint == first.fingerprint and len(traced) == 3
+
+    def scaled(p, b):  # a Python float in the batch: no dtype to key by, so traced every time
+        traced.append(1)
+        return b["scale"] * toy.plain_loss(p, b["tokens"])
+
+    batch = {"tokens": tokens, "scale": 2.0}
+    assert find(scaled, params, batch).fingerprint == find(scaled, params, batch).fingerprint
+    assert len(traced) == 5
 
 
 def test_a_compiled_steps_figures_are_read_once():
