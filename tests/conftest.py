@@ -35,7 +35,8 @@ if "OSDP_JAX_TEST_HOME" not in os.environ:  # pytest's own process: one home, it
     atexit.register(shutil.rmtree, os.environ["OSDP_JAX_TEST_HOME"], True)
 os.environ["HOME"] = os.environ["OSDP_JAX_TEST_HOME"]  # the CLI's default cache goes here
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false").strip()
+                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+                           " --xla_cpu_parallel_codegen_split_count=1").strip()
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # noqa: E402
