@@ -246,6 +246,18 @@ def _simulate_devices(n: int):
         pass
 
 
+def _threads_ok() -> bool:
+    """Whether ``$OSDP_JAX_COMPILE_THREADS`` is unset or a thread count; if not, it says so in one
+    line, before any work."""
+    from osdp_jax.planning import compile_threads
+    try:
+        compile_threads()
+    except ValueError as e:
+        print(f"osdp-jax: error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def _launch(argv) -> int:
     args, extra = _parser().parse_known_args(argv)
     if args.processes < 1:
@@ -257,6 +269,8 @@ def _launch(argv) -> int:
         cfg = load(args.config, overrides)
     except ConfigError as e:
         print(f"osdp-jax: {e}", file=sys.stderr)
+        return 2
+    if not _threads_ok():
         return 2
     n = math.prod(cfg.mesh.shape)
     if n % args.processes:
@@ -315,6 +329,8 @@ def _main(argv=None):
               file=sys.stderr)
         return 2
     _simulate_devices(args.devices or math.prod(cfg.mesh.shape) // (processes or 1))
+    if not _threads_ok():
+        return 2
     if cfg.plan.compilation_cache and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         import osdp_jax
         # one folder per process: concurrent writers are not supported

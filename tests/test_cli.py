@@ -108,6 +108,18 @@ def test_infeasible_budget_is_one_clear_line(capsys):
     assert "smallest budget that fits is" in err
 
 
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_a_bad_compile_threads_variable_is_one_clear_line(tmp_path, monkeypatch, capsys, value):
+    monkeypatch.setenv("OSDP_JAX_COMPILE_THREADS", value)
+    out = tmp_path / "plan"
+    for command in (["plan"], ["launch", "--processes", "2"]):  # launch: before any process starts
+        assert cli.main([*command, "experiments/gpt2_mini.toml", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"osdp-jax: error: OSDP_JAX_COMPILE_THREADS={value!r}"), err
+        assert "positive number" in err[0] and "launch: process" not in captured.err and not out.exists()
+
+
 @pytest.mark.slow
 def test_compare_mini(tmp_path):
     out = tmp_path / "cmp"

@@ -371,3 +371,23 @@ def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_i
                 assert best is None
             else:
                 assert (best[1], best[5]) == (want[1], pytest.approx(want[0], rel=1e-12))
+
+
+def test_compile_threads_from_the_environment(monkeypatch):
+    """``$OSDP_JAX_COMPILE_THREADS`` sets the compile threads (processes sharing the CPUs); unset,
+    they are this process's CPUs, at most ``MAX_THREADS``; anything but a positive integer is one
+    error naming the variable."""
+    from osdp_jax import _calibration
+    from osdp_jax.planning import compile_threads
+    monkeypatch.setenv("OSDP_JAX_COMPILE_THREADS", "3")
+    assert compile_threads() == 3
+    monkeypatch.delenv("OSDP_JAX_COMPILE_THREADS")
+    monkeypatch.setattr(_calibration, "MAX_THREADS", 1)
+    assert compile_threads() == 1
+    monkeypatch.setattr(_calibration, "MAX_THREADS", 64)
+    import os
+    assert compile_threads() == min(64, len(os.sched_getaffinity(0)))
+    for bad in ("0", "two", "1.5", "-2"):
+        monkeypatch.setenv("OSDP_JAX_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match=f"OSDP_JAX_COMPILE_THREADS={bad!r}: set it to a positive"):
+            compile_threads()
