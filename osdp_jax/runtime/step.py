@@ -654,9 +654,9 @@ FIGURES_ONLY = {"xla_backend_optimization_level": 0}
 # default compile (:func:`profile_checked`), or on the probe compile alone when it will not be run.
 # Its LLVM module is also not split for parallel codegen (``xla_cpu_parallel_codegen_split_count``
 # 1): the compile threads (``compile_many``) already keep the cores busy, and on 2 cores the
-# splitting only added work (a cold plan of bert-mini, 5 alternating repeats in one process: 6.65 s
-# to 6.05 s, median; gpt2-mini 8.1 to 7.0 s, gpt2-48l-1536 9.9 to 9.3 s, 3 repeats). Codegen comes
-# after buffer assignment: the figures are the same to the byte.
+# splitting only added work (cold plans 6 to 13% faster without it on 2 cores, the same plans and
+# XLA peaks: experiments/benchmarks/probe_options.py). Codegen comes after buffer assignment: the
+# figures are the same to the byte.
 PROBE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 PROBE_TOLERANCE = 1024  # bytes: a probe compile's peak may be this far under the default compile's
 
