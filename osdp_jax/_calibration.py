@@ -123,9 +123,7 @@ THREADS_ENV = "OSDP_JAX_COMPILE_THREADS"  # overrides compile_threads(): process
 def compile_threads() -> int:
     """The compile threads an ``XlaCalibrator`` uses by default: ``$OSDP_JAX_COMPILE_THREADS``
     when set (a positive integer), else the CPUs this process may run on, at most
-    :data:`MAX_THREADS`. Set it where several processes plan on the same CPUs (the test suite's
-    workers: with two of them on 2 cores, one thread each compiled the suite 15 s faster than two,
-    4 min 12 s to 3 min 57 s, since the other process already keeps the second core busy)."""
+    :data:`MAX_THREADS`. For processes that plan on the same CPUs at once, each its share."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if value:
         if not value.isdigit() or int(value) < 1:
