@@ -126,7 +126,7 @@ def compile_threads() -> int:
     :data:`MAX_THREADS`. For processes that plan on the same CPUs at once, each its share."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if value:
-        if not value.isdigit() or int(value) < 1:
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"{THREADS_ENV}={value!r}: set it to a positive number of compile threads "
                              f"(e.g. 1), or unset it to use this process's CPUs")
         return int(value)

@@ -29,7 +29,8 @@ one training test runs its steps with them (the ``default_emitters`` fixture,
 And it compiles each step's LLVM module whole (``--xla_cpu_parallel_codegen_split_count=1``, as the
 probes are): with two test workers on two cores, splitting a module for parallel codegen only added
 work (``python -m pytest``, one after the other in one hour, each worker on one compile thread:
-5 min 2 s without it, 4 min 31 s with it). Codegen comes after buffer assignment and does not change what a step computes.
+5 min 2 s without it, 4 min 31 s with it). Codegen comes after buffer assignment and does not
+change what a step computes.
 
 Each worker's planner keeps its default compile threads (the CPUs, 2 here): one each
 (``OSDP_JAX_COMPILE_THREADS=1``) took the same time, 4 min 43 s both ways one after the other."""

@@ -2,6 +2,7 @@
 decisions from recorded probe figures (``RecordedCalibrator``), and the verification loop."""
 import dataclasses
 import math
+import os
 import pathlib
 import re
 
@@ -385,9 +386,8 @@ def test_compile_threads_from_the_environment(monkeypatch):
     monkeypatch.setattr(_calibration, "MAX_THREADS", 1)
     assert compile_threads() == 1
     monkeypatch.setattr(_calibration, "MAX_THREADS", 64)
-    import os
     assert compile_threads() == min(64, len(os.sched_getaffinity(0)))
-    for bad in ("0", "two", "1.5", "-2"):
+    for bad in ("0", "two", "1.5", "-2", "\u00b2"):  # the last: a superscript 2, a digit to str.isdigit
         monkeypatch.setenv("OSDP_JAX_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"OSDP_JAX_COMPILE_THREADS={bad!r}: set it to a positive"):
             compile_threads()
