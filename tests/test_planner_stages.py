@@ -391,3 +391,25 @@ def test_compile_threads_from_the_environment(monkeypatch):
         monkeypatch.setenv("OSDP_JAX_COMPILE_THREADS", bad)
         with pytest.raises(ValueError, match=f"OSDP_JAX_COMPILE_THREADS={bad!r}: set it to a positive"):
             compile_threads()
+
+
+def test_the_optimizer_state_specs_trace_the_optimizers_init_and_run_nothing():
+    """``opt_state_specs`` finds the optimizer state's param-shaped parts by its ``init``, traced
+    (``jax.eval_shape``), not run: run, it built arrays on the device and a process's first plan
+    paid XLA's first compiles for them in the planner's main thread."""
+    from osdp_jax._layout import opt_state_specs
+    seen = []
+
+    def init(params):
+        count = jax.numpy.zeros([], jax.numpy.int32)
+        seen.append(isinstance(count, jax.core.Tracer))
+        return {"count": count, "mu": jax.tree.map(jax.numpy.zeros_like, params)}
+    optimizer = optax.chain(optax.GradientTransformation(init, lambda u, s, p=None: (u, s)), optax.adam(1e-3))
+    params = {"w": jax.ShapeDtypeStruct((8, 4), np.float32), "b": jax.ShapeDtypeStruct((4,), np.float32)}
+    state = jax.eval_shape(optimizer.init, params)
+    seen.clear()
+    specs = opt_state_specs(optimizer, state, {"w": P("data", None), "b": P()})
+    assert seen == [True]  # traced once, never run
+    assert specs[0]["count"] == P() and specs[0]["mu"] == {"w": P("data", None), "b": P()}
+    adam = specs[1][0]
+    assert adam.mu == {"w": P("data", None), "b": P()} and adam.nu == adam.mu and adam.count == P()
