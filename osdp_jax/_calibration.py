@@ -28,7 +28,7 @@ import numpy as np
 
 from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._describe import describe
-from ._discover import clear_found
+from ._discover import _signature, clear_found
 from ._search import clear_kept
 from ._problem import Problem
 from ._xla import StepProfile, profile_compiled, time_compiled
@@ -177,14 +177,10 @@ class XlaCalibrator:
 
     def _key(self, layout, batch, timed, fingerprint: str = ""):
         if self._static is None:  # the parameters' and optimizer state's shapes, once per calibrator
-            state = jax.eval_shape(self.optimizer.init, self.params)
             self._static = (tuple((i.path, i.shape, str(i.dtype)) for i in describe(self.params)),
-                            (str(jax.tree.structure(state)),
-                             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state))))
+                            _signature(jax.eval_shape(self.optimizer.init, self.params)))
         params, optimizer = self._static
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(batch))
-        key = (fingerprint or self.loss_fn, optimizer, params, layout, str(jax.tree.structure(batch)), shapes, self.mesh,
-               bool(timed))
+        key = (fingerprint or self.loss_fn, optimizer, params, layout, _signature(batch), self.mesh, bool(timed))
         try:
             hash(key)
         except TypeError:  # an unhashable loss function or optimizer: no caching
