@@ -103,9 +103,8 @@ import math
 
 import jax
 import numpy as np
-import optax
 
-from ._describe import ParamInfo
+from ._describe import ParamInfo, map_state_params
 from ._hardware import Hardware
 from ._strategies import GATHERED
 from ._xla import StepProfile
@@ -209,7 +208,7 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
     """Optimizer-state bytes per parameter leaf, and bytes of state tied to no parameter.
 
-    >>> import jax.numpy as jnp
+    >>> import jax.numpy as jnp, optax
     >>> optimizer_bytes(optax.adam(1e-3), {"w": jax.ShapeDtypeStruct((4,), jnp.float32)})[0]
     array([32])
     """
@@ -222,7 +221,7 @@ def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
         per_leaf[i] += int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
         return x
 
-    optax.tree_map_params(optimizer, add, state, index, transform_non_params=lambda x: x)
+    map_state_params(optimizer, add, state, index, transform_non_params=lambda x: x)  # init traced, not run
     total = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
     return per_leaf, total - int(per_leaf.sum())
 

@@ -12,6 +12,7 @@ import math
 
 import jax
 import numpy as np
+import optax
 from flax.core import meta
 
 from ._stack import is_segmented
@@ -92,3 +93,16 @@ def flat_params(params) -> dict:
     :func:`describe` and plans use)."""
     flat = jax.tree_util.tree_flatten_with_path(strip_boxes(params), is_leaf=is_segmented)[0]
     return {path_name(p): x for p, x in flat}
+
+
+def map_state_params(optimizer, f, state, *rest, **kwargs):
+    """``optax.tree_map_params(optimizer, f, state, *rest, **kwargs)``, the optimizer's ``init``
+    traced (``jax.eval_shape``), not run: optax runs it to find the state's param-shaped parts,
+    and run, it built its arrays on the device (adam's step count), so a process's first plan paid
+    XLA's first compiles for them in the planner's main thread (2.8 s of gpt2-mini's first cold
+    plan). What ``init`` returns only marks where the params are; ``f`` and
+    ``transform_non_params`` get the leaves of ``state`` and ``rest``, so nothing traced is
+    returned."""
+    out = []
+    jax.eval_shape(lambda: out.append(optax.tree_map_params(optimizer, f, state, *rest, **kwargs)))
+    return out[0]

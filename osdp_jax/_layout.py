@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import optax
 from jax.sharding import PartitionSpec as P
 
-from ._describe import describe, path_name
+from ._describe import describe, map_state_params, path_name
 from ._stack import Segment, Segmented, check_remat, check_segments, cut, is_segmented
 from ._strategies import (GATHERED, accumulation, axes_size, axis_entry, data_axes, sharded_dim, spec_for,
                           state_spec_for)
@@ -362,21 +361,10 @@ def to_storage(params, layout: Layout):
 
 
 def opt_state_specs(optimizer, abstract_state, param_specs):
-    """Specs for the optimizer state: param-shaped parts follow the params, the rest replicate.
-
-    ``optax.tree_map_params`` runs the optimizer's ``init`` to find the param-shaped parts; run
-    eagerly, that init's arrays (adam's step count) are built on the device, and a process's first
-    plan paid its first XLA compiles there, in the planner's main thread (2.8 s of gpt2-mini's first
-    cold plan). Under ``jax.eval_shape`` nothing is built; every state leaf that is not a param
-    becomes ``P()``, so no traced value leaves the trace."""
-    out = []
-
-    def specs():
-        out.append(optax.tree_map_params(optimizer, lambda _, spec: spec, abstract_state, param_specs,
-                                         transform_non_params=lambda _: P(),
-                                         is_leaf=lambda x: isinstance(x, P)))
-    jax.eval_shape(specs)
-    return out[0]
+    """Specs for the optimizer state: param-shaped parts follow the params, the rest replicate
+    (the optimizer's ``init`` traced, not run: ``_describe.map_state_params``)."""
+    return map_state_params(optimizer, lambda _, spec: spec, abstract_state, param_specs,
+                            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
 
 def batch_specs(batch, axes):

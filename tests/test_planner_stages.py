@@ -393,10 +393,12 @@ def test_compile_threads_from_the_environment(monkeypatch):
             compile_threads()
 
 
-def test_the_optimizer_state_specs_trace_the_optimizers_init_and_run_nothing():
-    """``opt_state_specs`` finds the optimizer state's param-shaped parts by its ``init``, traced
-    (``jax.eval_shape``), not run: run, it built arrays on the device and a process's first plan
-    paid XLA's first compiles for them in the planner's main thread."""
+def test_the_optimizer_state_specs_and_bytes_trace_the_optimizers_init_and_run_nothing():
+    """``opt_state_specs`` and ``optimizer_bytes`` find the optimizer state's param-shaped parts by
+    its ``init``, traced (``_describe.map_state_params``), not run: run, it built arrays on the
+    device and a process's first plan paid XLA's first compiles for them in the planner's main
+    thread."""
+    from osdp_jax._cost import optimizer_bytes
     from osdp_jax._layout import opt_state_specs
     seen = []
 
@@ -413,3 +415,7 @@ def test_the_optimizer_state_specs_trace_the_optimizers_init_and_run_nothing():
     assert specs[0]["count"] == P() and specs[0]["mu"] == {"w": P("data", None), "b": P()}
     adam = specs[1][0]
     assert adam.mu == {"w": P("data", None), "b": P()} and adam.nu == adam.mu and adam.count == P()
+    seen.clear()
+    per_leaf, other = optimizer_bytes(optimizer, params)
+    assert seen == [True]  # the params' places (the state's shapes: eval_shape's cache of the trace above)
+    assert per_leaf.tolist() == [3 * 4 * 4, 3 * 32 * 4] and other == 2 * 4  # b, w: mu here, adam's mu, nu
