@@ -30,6 +30,7 @@ from ._planner import PlanOptions, _batches, _optimizer, _progress, plan
 from ._search import InfeasibleBudgetError
 from ._strategies import axes_size, data_axes
 from ._units import parse_bytes
+from ._xla import profile_compiled
 from ._layout import as_layout
 from .runtime.step import compile_count, compile_many
 
@@ -65,8 +66,11 @@ def compile_ahead(params, mesh, plans, options: PlanOptions | None = None, **kwa
             seen.add(key)
             steps.append((loss_fn, o.optimizer, abstract, batches[p.batch_size], mesh, p, "probe"))
     before = compile_count()
-    for _ in _progress(_Sized(compile_many(steps, compile_threads()), len(steps)), "osdp-jax: compiling plans ahead"):
-        pass
+    for _, done in _progress(_Sized(compile_many(steps, compile_threads()), len(steps)),
+                             "osdp-jax: compiling plans ahead"):
+        # XLA's figures read here, while the workers compile the rest, not by each plan() after
+        # (profile_compiled keeps them with the executable; 0.05 to 0.09 s a plan on gpt2-48l-1536)
+        profile_compiled(*done)
     return compile_count() - before
 
 

@@ -72,7 +72,11 @@ def test_plan_budgets_gives_plan_at_each_budget_with_the_later_compiles_done_ahe
     assert compile_ahead(params, mesh, drafts + drafts, **kw) == 2  # each once (the probes' steps forgotten too)
     assert compile_ahead(params, mesh, drafts) == 0
     assert compile_ahead(params, mesh, drafts, **{**kw, "batch_sizes": (8,)}) == 0  # each plan at its own size
+    from osdp_jax import _xla
+    reads, read = [], _xla._profile
+    monkeypatch.setattr(_xla, "_profile", lambda *a: reads.append(a) or read(*a))
     assert osdp_jax.plan(params, mesh, budget=budgets[1], **kw).compiles == 0
+    assert reads == []  # its step's figures were read by compile_ahead, as its workers compiled
 
 
 def test_plan_budgets_bad_input_is_one_error_before_any_compile(mesh):
