@@ -210,6 +210,37 @@ def test_a_time_bound_keeps_every_plan_as_fast_and_the_hull_bound_is_below_the_o
     assert checked >= 40  # the budgets are feasible often enough for this to test something
 
 
+def test_kept_searches_hold_a_sweeps_worth_within_a_byte_bound(monkeypatch):
+    """A kept search (``_search._kept``) answers a repeat from what it holds, by the arguments'
+    contents: a budget sweep's several hundred searches all stay (KEEP), the oldest go first once
+    the results' arrays pass KEEP_BYTES, and ``clear`` forgets them."""
+    from osdp_jax import _search
+    ran = []
+
+    @_search._kept
+    def search(table, budget):
+        ran.append(budget)
+        return np.zeros(int(budget))  # 8 bytes per unit of budget
+
+    table = np.arange(6.0).reshape(2, 3)
+    for b in range(1, 301):
+        search(table, b)
+    assert len(ran) == 300
+    assert search(table.copy(), 1).shape == (1,) and len(ran) == 300  # the oldest of 300, by contents
+    search(table + 1, 1)
+    assert len(ran) == 301  # another table is another search
+    monkeypatch.setattr(_search, "KEEP_BYTES", 8 * 250)
+    search(table, 200)  # kept: nothing dropped on a hit
+    search(table, 1000)  # 8000 bytes alone: everything older goes, the newest stays
+    assert len(ran) == 302
+    search(table, 1000)
+    search(table, 200)
+    assert len(ran) == 303
+    search.clear()
+    search(table, 200)
+    assert len(ran) == 304
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_two_resource_prune_keeps_exactly_the_undominated_points(seed):
     """``_dominance_prune`` with two resources (a staircase of the kept points, chunks filtered
