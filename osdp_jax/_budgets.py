@@ -46,8 +46,8 @@ def compile_ahead(params, mesh, plans, options: PlanOptions | None = None, **kwa
     """Compile, for XLA's figures, the steps ``plan(verify=True)`` would compile to verify
     ``plans`` (drafts: ``plan(verify=False)``'s), all at once: each traced and lowered here, in
     order, while ``compile_threads()`` worker threads compile those already lowered. They are
-    kept in the process (``planning.clear_compiled`` forgets them), so ``plan()`` verifying one
-    of them compiles nothing. ``options``/``kwargs``: ``plan()``'s (its ``loss_fn``, ``batch``,
+    kept in the process (``planning.clear_compiled`` forgets them), with their XLA figures, read
+    as each is done, so ``plan()`` verifying one of them compiles and reads nothing. ``options``/``kwargs``: ``plan()``'s (its ``loss_fn``, ``batch``,
     ``optimizer``, ``has_aux``, ``rng``, ``state`` and ``axis`` shape the step; the rest are not
     read). Plans of the same layout and batch are compiled once; one already kept is not compiled
     again. Returns the number of steps compiled. Without a loss function nothing is compiled."""
