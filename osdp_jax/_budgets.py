@@ -90,8 +90,8 @@ def plan_budgets(params, mesh, budgets, options: PlanOptions | None = None, **kw
     if isinstance(budgets, (str, bytes, int, float)):
         raise TypeError(f"budgets must be a list of budgets, e.g. ['4GB', '8GB'], got {budgets!r}; for one "
                         f"budget use osdp_jax.plan(..., budget=...)")
+    budgets = [parse_bytes(b) for b in budgets]  # a bad one raises before anything is planned or warned of
     o = _options(options, kwargs)
-    budgets = [parse_bytes(b) for b in budgets]
     out = []
     for i, budget in enumerate(budgets):
         if i == 1 and o.verify in (True, "figures") and o.loss_fn is not None:

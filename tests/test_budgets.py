@@ -92,6 +92,15 @@ def test_plan_budgets_bad_input_is_one_error_before_any_compile(mesh):
     assert osdp_jax.plan_budgets(params, mesh, [], **kw) == []
 
 
+def test_a_bad_budget_is_the_only_thing_said(mesh, caplog):
+    """A bad budget raises before the options are read: no warning about them comes first
+    (here the default optimizer's, which plan() gives with optimizer=None)."""
+    params, kw, _ = _setup(mesh)
+    with caplog.at_level("WARNING", logger="osdp_jax"), pytest.raises(ValueError, match="lots"):
+        osdp_jax.plan_budgets(params, mesh, ["1GB", "lots"], **{**kw, "optimizer": None})
+    assert caplog.records == []
+
+
 def test_a_loss_is_traced_once_per_shapes_for_discovery():
     """``_discover.find`` keeps what tracing a loss found, per function object and argument
     shapes; other shapes trace again, ``clear_probe_cache`` forgets it, and a batch leaf without
