@@ -195,10 +195,44 @@ class XlaCalibrator:
         ``(index, figures)`` as each is done: probes not cached are compiled by
         ``runtime.step.compile_many`` on ``threads`` worker threads, the timed ones (they run
         on the devices) one at a time."""
-        requests, to_compile = list(requests), []
-        for i, (kind, batch, splits, timed) in enumerate(requests):
-            layout = problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
-                                    lambda x: kind.zero2(x, problem), kind.remat_layers)
+        return self._profile_jobs([(problem, *request) for request in requests])
+
+    def compile_all(self, problems, progress=lambda jobs, desc: jobs) -> int:
+        """Compile the probes of several problems of this calibrator's model at once, ``problems``
+        a list of ``(problem, requests)`` (:func:`probe_requests`), and keep their figures in the
+        in-process cache, where each problem's :func:`calibrate` then finds them: the plan with
+        units and the plan without them (``_planner.plan``) probe in one batch on the compile
+        threads, not two, each traced while the workers compile the others (the layouts they
+        share compiled once). Does nothing for timed probes, which run one at a time, or without
+        the cache. ``progress``: as :func:`calibrate`'s. Returns the number of probes compiled."""
+        if not self.cache:
+            return 0
+        jobs, seen = [], set()
+        for problem, requests in problems:
+            for kind, batch, splits, timed in requests:
+                if timed:
+                    return 0
+                key = self._key(self._layout(problem, kind, splits), batch, timed, problem.fingerprint)
+                if key is None:
+                    return 0
+                if key not in _PROBES and key not in seen:
+                    seen.add(key)
+                    jobs.append((problem, kind, batch, splits, timed))
+        n0 = self.compiles
+        for _ in progress(_Sized(self._profile_jobs(jobs), len(jobs)), "osdp-jax: compiling probes") if jobs else ():
+            pass  # each kept in _PROBES as it is done
+        return self.compiles - n0
+
+    @staticmethod
+    def _layout(problem, kind, splits):
+        return problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
+                              lambda x: kind.zero2(x, problem), kind.remat_layers)
+
+    def _profile_jobs(self, jobs):
+        """:meth:`profile_many` of ``(problem, kind, batch, splits, timed)`` jobs."""
+        to_compile = []
+        for i, (problem, kind, batch, splits, timed) in enumerate(jobs):
+            layout = self._layout(problem, kind, splits)
             key = self._key(layout, batch, timed, problem.fingerprint) if self.cache else None
             if key is not None and key in _PROBES:
                 self.cached += 1
@@ -342,6 +376,20 @@ AT_TOP = frozenset({ProbeKind.SPLIT, ProbeKind.SPLIT_STEP, ProbeKind.REMAT_DOTS,
 UNTIMED = frozenset({ProbeKind.SPLIT, ProbeKind.SPLIT_STEP})  # probe kinds never run and timed (memory terms only)
 
 
+def probe_requests(problem: Problem, batches: dict, measure_time: bool = False, policies=("full",)) -> tuple:
+    """The probes :func:`calibrate` compiles for ``problem``: ``(jobs, requests)``, a job
+    ``(ProbeKind, batch size)`` and its request ``(kind, abstract batch, splits, timed)`` for
+    ``Calibrator.profile``, every probe kind at the smallest and largest of ``batches``, the
+    ``AT_TOP`` kinds at the largest only, the LAST probe at the smallest."""
+    sizes = sorted(batches)
+    top, ends = sizes[-1], sorted({sizes[0], sizes[-1]})
+    jobs = [(kind, b) for b in ends for kind in (*probe_kinds(problem), *remat_kinds(problem, policies))
+            if kind not in AT_TOP or b == top]
+    jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
+    return jobs, [(kind, batches[b], probe_splits(problem, kind), measure_time and kind not in UNTIMED)
+                  for kind, b in jobs]
+
+
 def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measure_time: bool = False,
               progress=lambda jobs, desc: jobs, policies=("full",)) -> Calibrated:
     """``{batch size: Calibration}`` fitted on the probes at the smallest and largest of ``batches``
@@ -366,13 +414,9 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     split_share = sum((1 - 1 / k) * i.nbytes / i.shape[0] for i in problem.infos if (k := splits.get(i.path)))
     step_share = step_split_bytes(problem)
     top, ends = sizes[-1], sorted({sizes[0], sizes[-1]})
-    jobs = [(kind, b) for b in ends for kind in (*kinds, *remat_kinds(problem, policies))
-            if kind not in AT_TOP or b == top]
-    jobs += [(ProbeKind.LAST, sizes[0])] if last_probe(problem) else []
+    jobs, requests = probe_requests(problem, batches, measure_time, policies)
     desc = getattr(calibrator, "progress_desc", None) or (
         "osdp-jax: compiling and timing probes" if measure_time else "osdp-jax: compiling probes")
-    requests = [(kind, batches[b], probe_splits(problem, kind), measure_time and kind not in UNTIMED)
-                for kind, b in jobs]
     many = getattr(calibrator, "profile_many", None)
     done = (many(problem, requests) if many is not None
             else ((i, calibrator.profile(problem, *request)) for i, request in enumerate(requests)))

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices,
-                           step_split_bytes, step_split_probe, uncalibrated)
+                           probe_requests, step_split_bytes, step_split_probe, uncalibrated)
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
 from ._hardware import default_hardware, resolve_hardware
@@ -146,6 +146,11 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     # gather (and, under the default "full" unit remat, its forward pass again)
     problems = [problem] if o.units is not None or not problem.units else [problem, dataclasses.replace(problem, units={})]
     n0, s0 = compile_count(), compile_seconds()
+    if len(problems) > 1 and o.loss_fn is not None and 1 in counts and hasattr(calibrator, "compile_all"):
+        # both problems' probes in one batch on the compile threads (each problem's calibrate then
+        # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the other
+        calibrator.compile_all([(p, probe_requests(p, batches, o.measure_time, policies)[1]) for p in problems],
+                               _progress)
     best = _fastest([functools.partial(one, p, m=m) for p in problems for m in counts], o)
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")

@@ -243,6 +243,36 @@ def test_training_reuses_the_verification_compile(mesh):
     assert reused and not fresh and reused_loss == fresh_loss
 
 
+def test_the_probes_with_and_without_units_compile_in_one_batch(mesh, monkeypatch):
+    """A model with units is planned with them and without them, two problems with probes of
+    their own: ``XlaCalibrator.compile_all`` compiles both problems' probes in one batch on the
+    compile threads (the layouts they share once), and each problem's calibration then finds its
+    own kept. The plan, its XLA peak and its compile count are those of probing one problem after
+    the other."""
+    from experiments.benchmarks import foreign
+    from osdp_jax import _calibration
+    from osdp_jax.planning import clear_compiled, clear_probe_cache
+    params, loss_fn, batch = foreign.plain_mlp()
+    opt = optax.adam(1e-3)
+    peaks = [osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, make(params, mesh)).peak_bytes
+             for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
+    kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt)
+    sizes, compile_many = [], _calibration.compile_many  # the steps of each batch compiled for probes
+    monkeypatch.setattr(_calibration, "compile_many", lambda steps, threads: sizes.append(len(steps)) or
+                        compile_many(steps, threads))
+    clear_probe_cache(), clear_compiled()
+    together = osdp_jax.plan(params, mesh, **kw)
+    merged = [n for n in sizes if n]
+    sizes.clear()
+    monkeypatch.setattr(_calibration.XlaCalibrator, "compile_all", lambda self, problems, progress=None: 0)
+    clear_probe_cache(), clear_compiled()
+    apart = osdp_jax.plan(params, mesh, **kw)
+    batches = [n for n in sizes if n]
+    assert len(batches) == 2 and merged == [sum(batches)], (merged, batches)
+    assert together.layout == apart.layout and together.xla_peak_bytes == apart.xla_peak_bytes
+    assert together.compiles == apart.compiles and together.compiles > sum(batches)  # and the verification
+
+
 def test_a_plan_checked_over_the_budget_is_not_compiled_in_full(mesh):
     """``profile_checked`` compiles a step as a probe first: over the budget, that is its only
     compile (nothing kept for training); within it, the step is compiled in full too, from the
