@@ -140,6 +140,12 @@ def test_a_second_signal_exits_at_once_and_keeps_the_checkpoints(tmp_path):
     proc = _start_and_wait_for_steps(
         [sys.executable, "-m", "experiments.cli", "train", CONFIG, "--steps", "100000", "--checkpoint-every", "1",
          "--out", str(out), *FLAGS], out, steps=3)
+    # step 3's metrics come before its checkpoint is final (orbax renames it to "3" when it is):
+    # a second signal may cut short the one being written, never one already written
+    deadline = time.monotonic() + 120
+    while not any(p.name.isdigit() and int(p.name) >= 3 for p in (out / "checkpoints").glob("*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint of step 3 was written"
+        time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=60)[1]
