@@ -155,6 +155,25 @@ def medians(runs: list[dict]) -> dict:
     return row
 
 
+def _repeated(measure_one, name: str, repeats: int) -> dict:
+    """:func:`medians` of ``repeats`` runs of ``measure_one(name)``, each printed as it is done."""
+    runs = []
+    for i in range(repeats):
+        r = measure_one(name)
+        runs.append(r)
+        text = (f"one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s ({r['cold_compiles']} compiles, ratio "
+                f"{r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s ({r['warm_compiles']} compiles, ratio "
+                f"{r['warm'] / r['one']:.2f})")
+        if "full" in r:
+            text += (f"; cold, verify=full {r['full']:.1f} s ({r['full_compiles']} compiles, ratio "
+                     f"{r['full'] / r['one']:.2f})")
+        if r.get("sweep"):
+            text += (f"; sweep {r['sweep']:.1f} s of planning ({r['sweep'] / r['cold']:.2f} cold plans), "
+                     f"{r['sweep_all']:.1f} s with its files")
+        print(f"{name} ({i + 1}/{repeats}): {text}", flush=True)
+    return medians(runs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -164,30 +183,11 @@ def main():
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    rows = []
-    for name in filter(None, args.configs.split(",")):
-        runs = []
-        for i in range(args.repeats):
-            r = measure(name)
-            runs.append(r)
-            print(f"{name} ({i + 1}/{args.repeats}): one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s "
-                  f"({r['cold_compiles']} compiles, ratio {r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s "
-                  f"({r['warm_compiles']} compiles, ratio {r['warm'] / r['one']:.2f}); cold, verify=full "
-                  f"{r['full']:.1f} s ({r['full_compiles']} compiles, ratio {r['full'] / r['one']:.2f})"
-                  + (f"; sweep {r['sweep']:.1f} s of planning ({r['sweep'] / r['cold']:.2f} cold plans), "
-                     f"{r['sweep_all']:.1f} s with its files" if r["sweep"] else ""),
-                  flush=True)
-        rows.append(medians(runs))
-    others = []
-    for name in foreign.FAMILIES if args.foreign else ():
-        runs = []
-        for i in range(args.repeats):
-            r = measure_foreign(name)
-            runs.append(r)
-            print(f"{name} ({i + 1}/{args.repeats}): one compile {r['one']:.1f} s; cold plan {r['cold']:.1f} s "
-                  f"({r['cold_compiles']} compiles, ratio {r['cold'] / r['one']:.2f}); second budget {r['warm']:.1f} s "
-                  f"({r['warm_compiles']} compiles, ratio {r['warm'] / r['one']:.2f})", flush=True)
-        others.append(medians(runs))
+    names = [name for name in args.configs.split(",") if name.strip()]
+    if not names:  # the file's tables and its text are the configs'
+        ap.error(f"--configs needs at least one config, e.g. --configs {CONFIGS[0]}")
+    rows = [_repeated(measure, name.strip(), args.repeats) for name in names]
+    others = [_repeated(measure_foreign, name, args.repeats) for name in (foreign.FAMILIES if args.foreign else ())]
     lines = ["# Planning time", "",
              "Measured with `python experiments/benchmarks/planning_time.py` on this 2-core machine, 8 simulated",
              "CPU devices, JAX's persistent compilation cache off. Ratios are `plan()` wall time over one compile",
