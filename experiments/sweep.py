@@ -34,33 +34,34 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     rows, start = [], time.perf_counter()
     ahead = {"first": {"seconds": 0.0}, "later": {"seconds": 0.0, "compiles": 0}}
     methods = runner.methods(s)
-    for i, budget in enumerate(budgets):
-        t0 = time.perf_counter()
-        if i == 0:  # drafted: every method's probes in one batch
-            _drafts(s, budgets[:1], methods)
-            ahead["first"]["seconds"] = time.perf_counter() - t0
-        elif i == 1:  # every later (budget, method) drafted, their verification compiles done at once
-            p = s.cfg.plan
-            ahead["later"]["compiles"] = osdp_jax.planning.compile_ahead(
-                s.abstract_params(), s.mesh, _drafts(s, budgets[1:], methods), loss_fn=s.loss_fn,
-                batch=s.abstract_batch(p.batch_sizes[0]), optimizer=s.optimizer)
-            ahead["later"]["seconds"] = time.perf_counter() - t0
-        at = runner.at_budget(s, budget)
-        for name, strategies, splits, remat, per_layer in methods:
-            row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
+    with osdp_jax.planning.gc_paused():  # between the plans too (osdp_jax._gc)
+        for i, budget in enumerate(budgets):
             t0 = time.perf_counter()
-            try:
-                plan = runner.make_plan(at, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer,
-                                        verify="figures")  # nothing is trained: XLA's figures suffice
-            except osdp_jax.InfeasibleBudgetError as e:  # its probes and compiles took time too
-                rows.append({**row, "fits": False, "min_bytes": e.min_bytes,
-                             "planning_seconds": time.perf_counter() - t0})
-                continue
-            rows.append({**row, "fits": True, "batch_size": plan.batch_size, "counts": plan.counts(),
-                         "xla_peak_bytes": plan.xla_peak_bytes,
-                         "predicted_samples_per_second": plan.predicted_samples_per_second,
-                         "planning_seconds": plan.planning_seconds, "compiles": plan.compiles,
-                         "segments": runner.segments_text(plan)})
+            if i == 0:  # drafted: every method's probes in one batch
+                _drafts(s, budgets[:1], methods)
+                ahead["first"]["seconds"] = time.perf_counter() - t0
+            elif i == 1:  # every later (budget, method) drafted, their verification compiles done at once
+                p = s.cfg.plan
+                ahead["later"]["compiles"] = osdp_jax.planning.compile_ahead(
+                    s.abstract_params(), s.mesh, _drafts(s, budgets[1:], methods), loss_fn=s.loss_fn,
+                    batch=s.abstract_batch(p.batch_sizes[0]), optimizer=s.optimizer)
+                ahead["later"]["seconds"] = time.perf_counter() - t0
+            at = runner.at_budget(s, budget)
+            for name, strategies, splits, remat, per_layer in methods:
+                row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
+                t0 = time.perf_counter()
+                try:
+                    plan = runner.make_plan(at, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer,
+                                            verify="figures")  # nothing is trained: XLA's figures suffice
+                except osdp_jax.InfeasibleBudgetError as e:  # its probes and compiles took time too
+                    rows.append({**row, "fits": False, "min_bytes": e.min_bytes,
+                                 "planning_seconds": time.perf_counter() - t0})
+                    continue
+                rows.append({**row, "fits": True, "batch_size": plan.batch_size, "counts": plan.counts(),
+                             "xla_peak_bytes": plan.xla_peak_bytes,
+                             "predicted_samples_per_second": plan.predicted_samples_per_second,
+                             "planning_seconds": plan.planning_seconds, "compiles": plan.compiles,
+                             "segments": runner.segments_text(plan)})
     seconds = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"model": s.cfg.model.preset, "rows": rows, "seconds": seconds,

@@ -24,6 +24,7 @@ import dataclasses
 import jax
 
 from ._calibration import _Sized, compile_threads
+from ._gc import paused
 from ._loss import PlainLoss
 from ._plan import Plan
 from ._planner import PlanOptions, _batches, _optimizer, _progress, plan
@@ -42,6 +43,7 @@ def _options(options: PlanOptions | None, kwargs: dict) -> PlanOptions:
     return dataclasses.replace(o, optimizer=_optimizer(o.optimizer))
 
 
+@paused()
 def compile_ahead(params, mesh, plans, options: PlanOptions | None = None, **kwargs) -> int:
     """Compile, for XLA's figures, the steps ``plan(verify=True)`` would compile to verify
     ``plans`` (drafts: ``plan(verify=False)``'s), all at once: each traced and lowered here, in
@@ -74,6 +76,7 @@ def compile_ahead(params, mesh, plans, options: PlanOptions | None = None, **kwa
     return compile_count() - before
 
 
+@paused()
 def plan_budgets(params, mesh, budgets, options: PlanOptions | None = None, **kwargs) -> list:
     """``plan()`` at each of ``budgets`` (bytes or strings such as ``"8GB"``), in that order: a
     list with, per budget, its :class:`Plan` or the :class:`InfeasibleBudgetError` ``plan()``

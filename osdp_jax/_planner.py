@@ -20,6 +20,7 @@ from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibr
                            probe_requests, step_split_bytes, step_split_probe, uncalibrated)
 from ._cost import cost_tables, optimizer_bytes
 from ._describe import unboxed_treedef
+from ._gc import paused
 from ._hardware import default_hardware, resolve_hardware
 from ._layout import check_dtype, whole_spec
 from ._loss import PlainLoss
@@ -66,6 +67,7 @@ class PlanOptions:
     #                       returns (loss, new_state), as make_train_step(state=True) takes it
 
 
+@paused()
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     """The highest-throughput plan whose whole training step fits ``budget`` per device.
 

@@ -419,3 +419,32 @@ def test_the_optimizer_state_specs_and_bytes_trace_the_optimizers_init_and_run_n
     per_leaf, other = optimizer_bytes(optimizer, params)
     assert seen == [True]  # the params' places (the state's shapes: eval_shape's cache of the trace above)
     assert per_leaf.tolist() == [3 * 4 * 4, 3 * 32 * 4] and other == 2 * 4  # b, w: mu here, adam's mu, nu
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(mesh, recorded, monkeypatch):
+    """plan() runs with Python's cyclic collector off (osdp_jax._gc: the collector's full passes
+    were a tenth of a sweep's planning), and leaves it as it found it, also when it raises."""
+    import gc
+
+    from osdp_jax import _planner
+    seen = []
+    real = _planner.build_problem
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_planner, "build_problem", spy)
+    params = toy.plain_params()
+    assert gc.isenabled()
+    osdp_jax.plan(params, mesh, budget="64GB", **recorded)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(osdp_jax.InfeasibleBudgetError):
+        osdp_jax.plan(params, mesh, budget="1kB", **recorded)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        osdp_jax.plan(params, mesh, budget="64GB", **recorded)
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
