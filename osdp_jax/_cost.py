@@ -25,7 +25,8 @@ written elsewhere, where a few weights gathered per step stay alive beside the a
 buffer; with omega = 0 their mixed plans were predicted up to 12.7% under XLA's peak). The probes
 are pure (all-replicate, all-zero3), where omega does not show; it is fitted on the first mixed
 plan the planner compiles, and again on a later one it predicts more than 5% off XLA's peak
-(``_planner._refit_overlap``). (A per-step kernel of a dense layer is gathered at the
+(``_planner._refit_overlap``); a model with no layer stack starts from 1
+(``_planner.NO_LOOP_OVERLAP``). (A per-step kernel of a dense layer is gathered at the
 layer, once its input is ready; other per-step weights are gathered before the loss, and
 XLA:CPU's scheduler starts those gathers at the top of the step.)
 

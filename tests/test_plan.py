@@ -464,6 +464,7 @@ def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monke
 
     monkeypatch.setattr(_planner, "profile_step", over)
     monkeypatch.setattr(_planner, "_refit_overlap", lambda *a, **k: None)
+    monkeypatch.setattr(_planner, "NO_LOOP_OVERLAP", None)  # the pool overlap 0 throughout: the fake's error alone
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=())
 
     def at(frac):

@@ -149,6 +149,30 @@ def test_pool_overlap_fitted_on_a_compiled_plan_predicts_the_next(mesh):
     assert abs(second.predicted_peak_bytes - second.xla_peak_bytes) <= 0.05 * second.xla_peak_bytes
 
 
+def test_a_model_without_a_layer_stack_starts_from_the_overlap_of_one(mesh, monkeypatch):
+    """A model with no layer stack gathers its per-step weights outside any loop, so its first
+    plan is costed with the pool overlap at ``NO_LOOP_OVERLAP`` (1), not 0: the einsum LM's first
+    mixed plan is then the one that starting from 0 reaches only after a refit and a second
+    verification compile, and the overlap its compile shows is kept for the model's next plans."""
+    from osdp_jax import _planner
+    from osdp_jax._calibration import OVERLAPS
+    params, loss_fn, batch = foreign.einsum_lm(layers=4, d=256, batch=32)
+    opt = optax.adam(1e-3)
+    ddp, fsdp = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.ddp(params, mesh),
+                      osdp_jax.Layout.fsdp(params, mesh))  # the two probes, compiled here for both plans
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=(), splits=(1,), budget=int(fsdp + 0.2 * (ddp - fsdp)))
+    osdp_jax.planning.clear_probe_cache()
+    assert _planner.NO_LOOP_OVERLAP == 1.0
+    prior = osdp_jax.plan(params, mesh, **kw)
+    assert prior.pool_overlap == 1.0 and prior.compiles == 1 and len(OVERLAPS) == 1
+    assert abs(prior.predicted_peak_bytes - prior.xla_peak_bytes) <= 0.05 * prior.xla_peak_bytes
+    osdp_jax.planning.clear_probe_cache()
+    monkeypatch.setattr(_planner, "NO_LOOP_OVERLAP", None)  # from 0, as a model with a stack
+    from_zero = osdp_jax.plan(params, mesh, **kw)
+    assert from_zero.compiles == 2 and from_zero.pool_overlap > 0.5
+    assert from_zero.layout == prior.layout and prior.xla_peak_bytes <= prior.budget_bytes
+
+
 def test_a_stored_pool_overlap_that_misses_a_plan_is_fitted_again(mesh):
     """The overlap fitted on a model's first mixed plan is kept for its later plans, but when a
     compiled plan's prediction with it misses XLA's peak by more than 5%, it is fitted again on
