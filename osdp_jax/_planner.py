@@ -376,16 +376,15 @@ def _plan_problem(problem: Problem, *, o: PlanOptions, params, mesh, hw, budget,
     # are in the plan's prediction, and would hide an error every plan shares
     modelled = _costed(size, sol.choices, tables[size])
     off = abs(_predicted(modelled) - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
-    if fitted is not None and not off:  # fitted on an earlier plan of this model (or the prior), and it holds
-        if prior and overlap_key is not None:  # what this compile shows is kept for the next plans
-            shown = _refit_overlap(_costed(size, sol.choices, tables_for(0.0, scale, [size])[size]),
-                                   plan.xla_peak_bytes, again=True)
-            if shown is not None:
-                OVERLAPS[overlap_key] = shown
-        return plan
+    if fitted is not None and not off and not prior:
+        return plan  # fitted on an earlier plan of this model, and it holds for this one
     # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
     plain = _costed(size, sol.choices, tables_for(0.0, scale, [size])[size]) if fitted else modelled
     overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
+    if prior and not off:  # NO_LOOP_OVERLAP held: what this compile shows is kept for the next plans
+        if overlap is not None and overlap_key is not None:
+            OVERLAPS[overlap_key] = overlap
+        return plan
     if overlap is not None and overlap != fitted:
         if overlap_key is not None:
             OVERLAPS[overlap_key] = overlap
