@@ -352,6 +352,7 @@ def clear_kept() -> None:
     """Forget the kept searches (``planning.clear_probe_cache`` does, for a cold plan)."""
     lower_bound.clear()
     fastest_front.clear()
+    _hull_tables.clear()
 
 
 @_kept
@@ -411,7 +412,29 @@ def _hull_bounds(time_cost, res, ok, stages, first_only: bool = False):
     the real items need at least as many seconds, so a partial plan whose seconds plus the bound
     exceed the time bound cannot complete to a plan within it. ``inf`` where ``left`` is below
     the least resource any completion needs. ``first_only``: stage 0's alone (every item).
+
+    The hulls do not depend on the budget: they are kept by the tables' contents
+    (:func:`_hull_tables`), so the searches of one model at other budgets (a sweep's, a
+    re-plan's) build none again.
     """
+    return [_least(fns) for fns in _hull_tables(time_cost, res, ok, tuple(map(tuple, stages)), first_only)]
+
+
+def _least(fns):
+    """``least(left)`` of one start stage's ``(M0, cum bytes, cum seconds)`` per resource."""
+    def least(left):
+        left = np.asarray(left, dtype=np.float64)
+        out = np.full(left.shape[:-1], -math.inf)
+        for r, (m0, cm, ct) in enumerate(fns):
+            m = left[..., r] - m0
+            out = np.maximum(out, np.where(m >= -abs(m0) * 1e-12, np.interp(m, cm, ct), math.inf))
+        return out
+    return least
+
+
+@_kept
+def _hull_tables(time_cost, res, ok, stages: tuple, first_only: bool) -> list:
+    """:func:`_hull_bounds`' tables: per start stage, per resource, ``(M0, cum bytes, cum seconds)``."""
     k = res.shape[2]
     per_stage = []  # per stage, per resource: (seconds at the least bytes, least bytes, segments)
     for items in stages:
@@ -444,17 +467,7 @@ def _hull_bounds(time_cost, res, ok, stages, first_only: bool = False):
             cm = np.concatenate([[0.0], np.cumsum(dm[later])])
             ct = np.concatenate([[0.0], np.cumsum(dt[later])]) + t0[s]
             fns.append((float(m0[s]), cm, ct))
-
-    def bound(fns):
-        def least(left):
-            left = np.asarray(left, dtype=np.float64)
-            out = np.full(left.shape[:-1], -math.inf)
-            for r, (m0, cm, ct) in enumerate(fns):
-                m = left[..., r] - m0
-                out = np.maximum(out, np.where(m >= -abs(m0) * 1e-12, np.interp(m, cm, ct), math.inf))
-            return out
-        return least
-    return [bound(fns) for fns in bounds]
+    return bounds
 
 
 def _chunks(items: list[int], choices: int) -> list[list[int]]:

@@ -241,6 +241,29 @@ def test_kept_searches_hold_a_sweeps_worth_within_a_byte_bound(monkeypatch):
     assert len(ran) == 304
 
 
+def test_the_lp_bounds_hulls_are_built_once_per_table_whatever_the_budget(monkeypatch):
+    """The hulls behind ``lower_bound`` and a bounded ``pareto_front`` do not depend on the
+    budget: they are kept by the tables' contents (``_search._hull_tables``), so the same tables
+    searched at other budgets build none again, and every bound and front is the one built from
+    nothing."""
+    from osdp_jax import _search
+    built, build = [], _search._hull_tables.__wrapped__
+    monkeypatch.setattr(_search, "_hull_tables", _search._kept(lambda *a: built.append(a[3]) or build(*a)))
+    rng = np.random.default_rng(3)
+    t, m, pools = random_pool_instance(rng, 5)
+    low = m.min(axis=1).sum() + pools.min(axis=1).sum(axis=0).max()
+    high = m.max(axis=1).sum() + pools.max(axis=1).sum(axis=0).max()
+    budgets = [low + (high - low) * f for f in (0.4, 0.6, 0.8)]
+    warm = [(_search.lower_bound(t, m, pools, b), pareto_front(t, m, pools, b, time_bound=1e9).time) for b in budgets]
+    assert len(built) == 2  # one per kind of staging (each item alone; the front's groups), not per budget
+    for b, (bound, times) in zip(budgets, warm):
+        _search.clear_kept()
+        _search._hull_tables.clear()
+        assert _search.lower_bound(t, m, pools, b) == bound
+        np.testing.assert_array_equal(pareto_front(t, m, pools, b, time_bound=1e9).time, times)
+    assert len(built) == 2 + 2 * len(budgets)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_the_two_resource_prune_keeps_exactly_the_undominated_points(seed):
     """``_dominance_prune`` with two resources (a staircase of the kept points, chunks filtered
