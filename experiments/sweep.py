@@ -7,9 +7,8 @@ memory XLA needed over the model on a compiled plan is left free at the next bud
 (``osdp_jax.plan``): after the first budget a method's plan is usually one compile. Those
 compiles are done ahead, together (``osdp_jax.planning.compile_ahead``, as
 ``osdp_jax.plan_budgets`` does for one method): every method's plan at every later budget is
-drafted by the cost model, each draft's step traced as it is drafted and compiled on the
-compile threads while the next is drafted, and then each is planned in turn, finding its step
-compiled.
+drafted by the cost model, the drafts' steps are compiled at once, pipelined over the compile
+threads, and then each is planned in turn, finding its step compiled.
 """
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     Every method is drafted at the first budget by the cost model, OSDP first, so that the probes
     of all are compiled in one batch, and planned there in turn (what the compiled plans teach the
     planner is kept: FSDP's miss at the README's first budget changes OSDP's choice there). Then
-    every later (budget, method) is drafted, its verification compile started on the compile
-    threads as the next is drafted (``osdp_jax.planning.compile_ahead``), and each is planned
+    every later (budget, method) is drafted, the drafts' verification compiles are done at once
+    (``osdp_jax.planning.compile_ahead``, pipelined over the compile threads), and each is planned
     in turn, finding its draft compiled. The plans are those planned one after the other; a draft
     that an earlier plan's lesson changed costs its compile for nothing."""
     rows, start = [], time.perf_counter()
@@ -39,7 +38,7 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
         for i, budget in enumerate(budgets):
             t0 = time.perf_counter()
             if i == 0:  # drafted: every method's probes in one batch
-                list(_drafts(s, budgets[:1], methods))
+                _drafts(s, budgets[:1], methods)
                 ahead["first"]["seconds"] = time.perf_counter() - t0
             elif i == 1:  # every later (budget, method) drafted, their verification compiles done at once
                 p = s.cfg.plan
@@ -72,21 +71,22 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
     return rows
 
 
-def _drafts(s: runner.Setup, budgets: list[str], methods: list[tuple]):
-    """Every method's draft at each of ``budgets``, lazily: the cost model's plan, not verified
-    (the first budget's are not compiled ahead: what its verified plans teach the planner can
-    change the next method's choice there). Lazy, so that ``compile_ahead`` drafts each while
-    its workers compile the ones before."""
+def _drafts(s: runner.Setup, budgets: list[str], methods: list[tuple]) -> list:
+    """Every method's draft at each of ``budgets``: the cost model's plan, not verified (the
+    first budget's are not compiled ahead: what its verified plans teach the planner can change
+    the next method's choice there)."""
+    drafts = []
     for budget in budgets:
         at = runner.at_budget(s, budget)
         # OSDP (the widest space) first: its probes, compiled in one batch, include the baselines'
         # (a draft changes nothing the verified plans learn, so the order changes no plan)
         for _, strategies, splits, remat, per_layer in reversed(methods):
             try:
-                yield runner.make_plan(at, strategies=strategies, splits=splits, remat=remat,
-                                       per_layer=per_layer, verify=False)
+                drafts.append(runner.make_plan(at, strategies=strategies, splits=splits, remat=remat,
+                                               per_layer=per_layer, verify=False))
             except osdp_jax.InfeasibleBudgetError:
                 pass  # nothing to compile ahead: planned in turn, it compiles what it needs
+    return drafts
 
 
 def sweep_markdown(model: str, rows: list[dict], seconds: float | None = None, ahead: dict | None = None) -> str:

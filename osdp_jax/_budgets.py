@@ -6,10 +6,10 @@ other, each traced and lowered in Python (about 1 s on gpt2-48l-1536) and then c
 on one core (about 1.5 s there). Those compiles do not depend on each other, so
 :func:`plan_budgets` plans the first budget alone (its probes compiled, what its compile taught
 the planner kept: the pool overlap, the error margin), drafts every later budget by the cost
-model (``plan(verify=False)``: a search, tens of milliseconds), and compiles the drafts' steps
-together (:func:`compile_ahead`): each drafted and traced in this thread while
-``compile_threads()`` workers compile those already lowered. Then it plans each later budget as
-``plan()`` does, which finds its draft's step compiled.
+model (``plan(verify=False)``: a search, milliseconds), and compiles the drafts' steps together
+(:func:`compile_ahead`): each traced in this thread while ``compile_threads()`` workers compile
+those already lowered. Then it plans each later budget as ``plan()`` does, which finds its
+draft's step compiled.
 
 The plans are ``plan()``'s at those budgets, planned in that order: a compile done ahead only
 spares ``plan()`` the compile. A budget whose draft XLA needs more for than the budget allows
@@ -47,51 +47,33 @@ def _options(options: PlanOptions | None, kwargs: dict) -> PlanOptions:
 def compile_ahead(params, mesh, plans, options: PlanOptions | None = None, **kwargs) -> int:
     """Compile, for XLA's figures, the steps ``plan(verify=True)`` would compile to verify
     ``plans`` (drafts: ``plan(verify=False)``'s), all at once: each traced and lowered here, in
-    order, while ``compile_threads()`` worker threads compile those already lowered. ``plans``
-    may be lazy (a generator drafting them): each draft is then made while the workers compile
-    the ones before it, not before any compile starts. The steps are kept in the process
-    (``planning.clear_compiled`` forgets them), with their XLA figures, read as each is done, so
-    ``plan()`` verifying one of them compiles and reads nothing. ``options``/``kwargs``:
-    ``plan()``'s (its ``loss_fn``, ``batch``, ``optimizer``, ``has_aux``, ``rng``, ``state`` and
-    ``axis`` shape the step; the rest are not read). Plans of the same layout and batch are
-    compiled once; one already kept is not compiled again. Returns the number of steps compiled.
-    Without a loss function nothing is compiled (and a lazy ``plans`` is not drafted)."""
+    order, while ``compile_threads()`` worker threads compile those already lowered. They are
+    kept in the process (``planning.clear_compiled`` forgets them), with their XLA figures, read
+    as each is done, so ``plan()`` verifying one of them compiles and reads nothing. ``options``/``kwargs``: ``plan()``'s (its ``loss_fn``, ``batch``,
+    ``optimizer``, ``has_aux``, ``rng``, ``state`` and ``axis`` shape the step; the rest are not
+    read). Plans of the same layout and batch are compiled once; one already kept is not compiled
+    again. Returns the number of steps compiled. Without a loss function nothing is compiled."""
     o = _options(options, kwargs)
     if o.loss_fn is None:
         return 0
     loss_fn = PlainLoss.of(o.loss_fn, o.has_aux, o.rng, o.state)
-    n = axes_size(mesh, data_axes(mesh, o.axis))
-    batches = _batches(loss_fn, o.batch, [], n)  # a missing or bad batch raises here, before any draft
+    plans = list(plans)
+    batches = _batches(loss_fn, o.batch, sorted({p.batch_size for p in plans}),  # each plan's own size
+                       axes_size(mesh, data_axes(mesh, o.axis)))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-
-    drafted = [0]  # compiles a lazy ``plans`` made itself (a draft's probes): not steps compiled ahead
-
-    def steps():
-        seen, it = set(), iter(plans)
-        while True:
-            n0 = compile_count()
-            p = next(it, None)
-            drafted[0] += compile_count() - n0
-            if p is None:
-                return
-            key = (as_layout(p), p.batch_size, p.microbatches)
-            if key in seen:
-                continue
+    steps, seen = [], set()
+    for p in plans:
+        key = (as_layout(p), p.batch_size, p.microbatches)
+        if key not in seen:
             seen.add(key)
-            if p.batch_size not in batches:  # each plan at its own size
-                batches.update(_batches(loss_fn, o.batch, [p.batch_size], n))
-            yield loss_fn, o.optimizer, abstract, batches[p.batch_size], mesh, p, "probe"
-
-    todo = list(steps()) if hasattr(plans, "__len__") else steps()
-    jobs = compile_many(todo, compile_threads())
-    before = compile_count()  # (compile_many starts on the first next())
-    # a list's bar has its length; a generator's counts the compiles done
-    for _, done in _progress(_Sized(jobs, len(todo)) if isinstance(todo, list) else jobs,
+            steps.append((loss_fn, o.optimizer, abstract, batches[p.batch_size], mesh, p, "probe"))
+    before = compile_count()
+    for _, done in _progress(_Sized(compile_many(steps, compile_threads()), len(steps)),
                              "osdp-jax: compiling plans ahead"):
         # XLA's figures read here, while the workers compile the rest, not by each plan() after
         # (profile_compiled keeps them with the executable; 0.05 to 0.09 s a plan on gpt2-48l-1536)
         profile_compiled(*done)
-    return compile_count() - before - drafted[0]
+    return compile_count() - before
 
 
 @paused()
@@ -116,8 +98,8 @@ def plan_budgets(params, mesh, budgets, options: PlanOptions | None = None, **kw
     out = []
     for i, budget in enumerate(budgets):
         if i == 1 and o.verify in (True, "figures") and o.loss_fn is not None:
-            drafts = (_tried(params, mesh, o, b, verify=False) for b in budgets[1:])  # drafted as compiled
-            compile_ahead(params, mesh, (d for d in drafts if isinstance(d, Plan)), o)
+            drafts = [_tried(params, mesh, o, b, verify=False) for b in budgets[1:]]
+            compile_ahead(params, mesh, [d for d in drafts if isinstance(d, Plan)], o)
         out.append(_tried(params, mesh, o, budget))
     return out
 

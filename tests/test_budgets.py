@@ -72,24 +72,6 @@ def test_plan_budgets_gives_plan_at_each_budget_with_the_later_compiles_done_ahe
     assert compile_ahead(params, mesh, drafts + drafts, **kw) == 2  # each once (the probes' steps forgotten too)
     assert compile_ahead(params, mesh, drafts) == 0
     assert compile_ahead(params, mesh, drafts, **{**kw, "batch_sizes": (8,)}) == 0  # each plan at its own size
-    # lazily drafted: each draft is made once the one before it is traced (its compile under way
-    # on a worker); what drafting compiles itself (the probes, all forgotten) is not counted
-    from osdp_jax.runtime import step
-    events, prepare = [], step._prepare
-    monkeypatch.setattr(step, "_prepare",  # a plan's step (a probe's is a Layout)
-                        lambda *a: (isinstance(a[5], osdp_jax.Plan) and events.append("traced")) or prepare(*a))
-
-    def drafted():
-        for b in budgets[1:3]:
-            draft = osdp_jax.plan(params, mesh, budget=b, verify=False, **kw)
-            events.append("drafted")
-            yield draft
-    _fresh()
-    n0 = compile_count()
-    assert compile_ahead(params, mesh, drafted(), **kw) == 1  # the second budget's (the third's is a probe's)
-    assert compile_count() - n0 > 1  # and the probes, compiled by the first draft
-    assert events == ["drafted", "traced", "drafted", "traced"]  # not both drafted first
-    assert compile_ahead(params, mesh, (d for d in [drafts[0]])) == 0  # no loss function: nothing drafted or compiled
     from osdp_jax import _xla
     reads, read = [], _xla._profile
     monkeypatch.setattr(_xla, "_profile", lambda *a: reads.append(a) or read(*a))

@@ -756,33 +756,27 @@ def compile_many(steps, threads: int):
     figures_only)`` of ``steps``, yielding ``(index, (compiled, FLOPs XLA leaves out))`` as each is
     done. Each step is traced and lowered in this thread, in order, while up to ``threads`` worker
     threads compile those already lowered (XLA compiles outside Python's lock: on 2 cores, 12
-    probes of gpt2-mini took 30% less time pipelined so). ``steps`` may be lazy (a generator):
-    each is taken when the one before it is lowered, so the work that makes it (drafting a plan)
-    runs while the workers compile."""
-    if threads <= 1 or (hasattr(steps, "__len__") and len(steps) < 2):
+    probes of gpt2-mini took 30% less time pipelined so)."""
+    steps = list(steps)
+    if threads <= 1 or len(steps) < 2:
         for i, step in enumerate(steps):
             yield i, compile_counted(*step[:6], figures_only=step[6])
         return
-    futures, spans = {}, []
-
-    def finished(future):
-        i, pending = futures.pop(future)
-        compiled, start, end = future.result()
-        before = _union(spans)
-        spans.append((start, end))
-        return i, _finish(pending, compiled, _union(spans) - before)  # wall seconds, not thread seconds
-
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="osdp-jax-compile") as pool:
+        futures = {}
         for i, step in enumerate(steps):
             pending = _prepare(*step, {})
             if pending.compiled is not None:
                 yield i, _finish(pending)
             else:
                 futures[pool.submit(_compile, pending)] = i, pending
-            for future in [f for f in futures if f.done()]:  # done while this one was traced
-                yield finished(future)
-        for future in concurrent.futures.as_completed(list(futures)):
-            yield finished(future)
+        spans = []
+        for future in concurrent.futures.as_completed(futures):
+            i, pending = futures[future]
+            compiled, start, end = future.result()
+            before = _union(spans)
+            spans.append((start, end))
+            yield i, _finish(pending, compiled, _union(spans) - before)  # wall seconds, not thread seconds
 
 
 def profile_checked(loss_fn, optimizer, params, batch, mesh, plan, fits, **options) -> StepProfile:
