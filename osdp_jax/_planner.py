@@ -522,12 +522,16 @@ def _batch_bytes(batch) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) if batch else 0
 
 
+PROGRESS_DELAY = 0.5  # seconds: a bar is drawn only for work that takes longer (probes found kept take none)
+
+
 def _progress(jobs, desc):
+    """``jobs`` under a tqdm bar, drawn once they take over :data:`PROGRESS_DELAY`."""
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency; planning works without it
         return jobs
-    return tqdm(jobs, total=len(jobs), desc=desc, leave=False, disable=len(jobs) < 2)
+    return tqdm(jobs, total=len(jobs), desc=desc, leave=False, disable=len(jobs) < 2, delay=PROGRESS_DELAY)
 
 
 def _candidate(size, sol, tables):
