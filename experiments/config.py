@@ -46,6 +46,7 @@ class PlanConfig:
     splits: tuple[int, ...] = (1, 2, 4, 8)  # operator-splitting slice counts to consider; [1] = off
     remat: tuple[str, ...] = ("full", "dots", "none")  # remat policies a layer stack's layers may take
     per_layer: bool = True  # decide each layer of a stack (segments); false: one choice per stack
+    segment_gain: float = 0.0  # speed-up each segment of a stack beyond its first must bring (0.01: 1%)
     units: tuple[str, ...] = ("auto",)  # units (osdp_jax.units): ["auto"] the default policy, [] none, or
     #                                     fnmatch patterns of submodule paths, e.g. ["blocks_*"]
     unit_remat: str = "full"  # the remat policy units run under
@@ -154,6 +155,9 @@ def _check(cfg: ExperimentConfig):
                             f"give [\"auto\"], [] (no units) or patterns such as [\"blocks_*\"]")
     if cfg.plan.unit_remat not in REMAT_POLICIES:
         _fail("plan.unit_remat", f"unknown remat policy {cfg.plan.unit_remat!r}; give one of {list(REMAT_POLICIES)}")
+    if not 0 <= cfg.plan.segment_gain < float("inf"):
+        _fail("plan.segment_gain", f"must be a number >= 0 (e.g. 0.01: each segment of a layer stack beyond its "
+                                   f"first must bring 1% predicted speed-up; 0: the fastest plan), got {cfg.plan.segment_gain}")
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

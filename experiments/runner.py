@@ -133,6 +133,7 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         hardware=p.hardware or None, strategies=strategies or p.strategies, splits=splits or p.splits,
         verify=verify, measure_time=p.measure_time, remat=remat or p.remat,
         per_layer=p.per_layer if per_layer is None else per_layer,
+        segment_gain=p.segment_gain,
         units=None if tuple(p.units) == ("auto",) else tuple(p.units), unit_remat=p.unit_remat,
         compute_dtype=p.compute_dtype or s.cfg.model.compute_dtype or None,
         # the config's microbatch counts for its own space; a method with its strategies fixed

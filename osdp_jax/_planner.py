@@ -57,6 +57,8 @@ class PlanOptions:
     calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
     remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
     per_layer: bool = True  # decide each layer of a stack (segments); False: one choice per stack
+    segment_gain: float = 0.0  # predicted speed-up each segment of a stack beyond its first must bring
+    #                            (0.01: 1%), or a plan with every layer alike is taken; 0: the fastest plan
     units: object = None  # unit patterns (osdp_jax.units); None: the default policy; (): no units
     unit_remat: str = "full"  # the remat policy units run under
     compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
@@ -89,7 +91,12 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
         (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
         ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
-        takes the same choice, one segment), ``units`` (``fnmatch`` patterns of the submodules
+        takes the same choice, one segment), ``segment_gain`` (e.g. 0.01: a plan that cuts a
+        stack into s segments is taken only if its predicted samples/s beat the best plan with every
+        layer alike, one segment, by a factor ``(1 + segment_gain) ** (s - 1)``: each loop compiles
+        on its own, and on gpt2-48l-1536 a three-segment step took 2 to 3 times as long to compile
+        as a one-segment one, ``experiments/results/segment_compile.md``; the default 0 takes the
+        fastest plan whatever its segments), ``units`` (``fnmatch`` patterns of the submodules
         whose sharded weights are gathered on each call and again in the backward pass,
         ``osdp_jax.units``; None: the default policy; ``()``: none) and ``unit_remat`` (the remat
         policy units run under, default ``"full"``), ``compute_dtype`` (e.g. ``"bfloat16"``: every
@@ -126,6 +133,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if o.verify not in (True, False, "figures", "full"):
         raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
                          f"(compile the step training then runs) or False (trust the model), got {o.verify!r}")
+    gain = o.segment_gain
+    if isinstance(gain, bool) or not (isinstance(gain, (int, float)) and 0 <= gain < math.inf):
+        raise ValueError(f"segment_gain must be a number >= 0, the predicted speed-up each segment of a layer stack "
+                         f"beyond its first must bring (e.g. 0.01 for 1%; 0: the fastest plan), got {gain!r}")
     policies = _policies(o.remat)
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
@@ -153,7 +164,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the other
         calibrator.compile_all([(p, probe_requests(p, batches, o.measure_time, policies)[1]) for p in problems],
                                _progress)
-    best = _fastest([functools.partial(one, p, m=m) for p in problems for m in counts], o)
+    runs = [functools.partial(one, p, m=m) for p in problems for m in counts]
+    if o.segment_gain and o.per_layer and problem.stacks:  # also every layer of each stack alike
+        runs += [functools.partial(_one_segment, one, p, m=m) for p in problems for m in counts]
+    best = _fastest(runs, o)
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
@@ -162,7 +176,8 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
 
 def _fastest(runs, o: PlanOptions) -> Plan:
     """The plan of highest predicted throughput among ``runs`` (each ``run(o=options) -> Plan``:
-    one problem, with or without units, at one microbatch count); the least
+    one problem, with or without units, at one microbatch count, per layer or with every layer of
+    a stack alike), weighed by ``o.segment_gain`` (:func:`_speed`); the least
     ``InfeasibleBudgetError`` when none fits.
 
     With several runs, each is first planned without verification (its probes are compiled, or
@@ -175,6 +190,7 @@ def _fastest(runs, o: PlanOptions) -> Plan:
     without units first took 8)."""
     if len(runs) == 1:
         return runs[0](o=o)
+    speed = functools.partial(_speed, gain=o.segment_gain)
     drafts, errors, left = [], [], []
     for run in runs:
         try:
@@ -186,14 +202,16 @@ def _fastest(runs, o: PlanOptions) -> Plan:
         plans = [d for d, _ in drafts]
         if not plans:
             raise min(errors, key=lambda e: e.min_bytes)
-        return max(plans, key=_speed)
+        return max(plans, key=speed)
     best, deferred = None, []
-    order = sorted(drafts, key=lambda dr: _speed(dr[0]), reverse=True)
+    order = sorted(drafts, key=lambda dr: speed(dr[0]), reverse=True)
     for i, (draft, run) in enumerate(order + [(None, r) for r in left]):
-        if best is not None and (draft is None or _speed(best) >= _speed(draft)):
+        if best is not None and (draft is None or speed(best) >= speed(draft)):
             break  # nothing left can beat it (the runs the model found infeasible are a last resort)
         # a draft that misses and re-plans below the next draft's predicted speed yields to it
-        floor = _speed(order[i + 1][0])[0] if draft is not None and i + 1 < len(order) else None
+        # (in this run's own samples/s: its draft's segments undo the weighing)
+        floor = (speed(order[i + 1][0])[0] * (1 + o.segment_gain) ** _extra_loops(draft)
+                 if draft is not None and i + 1 < len(order) else None)
         try:
             plan = run(o=o, floor=floor)
         except Superseded as e:
@@ -203,22 +221,40 @@ def _fastest(runs, o: PlanOptions) -> Plan:
         except InfeasibleBudgetError as e:
             errors.append(e)
             continue
-        best = plan if best is None or _speed(plan) > _speed(best) else best
+        best = plan if best is None or speed(plan) > speed(best) else best
     for run in deferred if best is None else ():  # every other run failed: finish them
         try:
             plan = run(o=o)
         except InfeasibleBudgetError as e:
             errors.append(e)
             continue
-        best = plan if best is None or _speed(plan) > _speed(best) else best
+        best = plan if best is None or speed(plan) > speed(best) else best
     if best is None:
         raise min(errors, key=lambda e: e.min_bytes)
     return best
 
 
-def _speed(plan: Plan) -> tuple:
-    """What ``_fastest`` maximises: predicted samples/s (or the shortest step), then the least memory."""
-    return (plan.predicted_samples_per_second or -(plan.predicted_step_seconds or 0.0), -plan.predicted_peak_bytes)
+def _speed(plan: Plan, gain: float = 0.0) -> tuple:
+    """What ``_fastest`` maximises: predicted samples/s (or the shortest step), then the least
+    memory; with a ``gain`` (``PlanOptions.segment_gain``), the samples/s divided by ``(1 + gain)``
+    per segment beyond the first of each stack (:func:`_extra_loops`)."""
+    speed = plan.predicted_samples_per_second or -(plan.predicted_step_seconds or 0.0)
+    if gain:
+        speed = speed / (1 + gain) ** _extra_loops(plan) if speed > 0 else speed * (1 + gain) ** _extra_loops(plan)
+    return (speed, -plan.predicted_peak_bytes)
+
+
+def _extra_loops(plan: Plan) -> int:
+    """Segments beyond the first of each layer stack of ``plan``: the parameters of one stack share
+    their segments' bounds, so each distinct sequence of bounds is one stack."""
+    stacks = {tuple((a, b) for a, b, *_ in segs) for segs in plan.segments.values()}
+    return sum(len(bounds) - 1 for bounds in stacks)
+
+
+def _one_segment(one, problem, *, o: PlanOptions, m: int = 1, floor=None) -> Plan:
+    """``one(problem)`` with every layer of each stack alike (``per_layer`` off): the plan a
+    ``segment_gain`` weighs the per-layer plan against."""
+    return one(problem, m=m, o=dataclasses.replace(o, per_layer=False), floor=floor)
 
 
 def _accumulated(t, m: int, problem: Problem):

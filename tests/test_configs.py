@@ -46,6 +46,7 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\nper_layer = "yes"\n', r"plan\.per_layer: expected bool"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nunits = ["auto", "blocks_*"]\n', r"plan\.units: 'auto' .* cannot be combined"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nunit_remat = "dot"\n', r"plan\.unit_remat: unknown remat policy 'dot'"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n', r"plan\.segment_gain: must be a number >= 0"),
 ])
 def test_bad_configs(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -59,6 +60,7 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.plan.batch_sizes == (16, 32) and cfg.optim.learning_rate == 3e-4 and cfg.train.steps == 7
     cfg = config.load(path, {"plan.remat": "full,dots", "plan.per_layer": "false"})
     assert cfg.plan.remat == ("full", "dots") and cfg.plan.per_layer is False
+    assert config.load(path, {"plan.segment_gain": "0.01"}).plan.segment_gain == 0.01
     assert config.load(path, {"plan.units": "blocks_*,head"}).plan.units == ("blocks_*", "head")
     with pytest.raises(ConfigError, match=r"--train\.stepz: unknown key; did you mean --train\.steps"):
         config.load(path, {"train.stepz": "7"})

@@ -246,6 +246,31 @@ def test_budget_between_two_stack_uniform_plans_is_met_by_segments():
     assert checked
 
 
+def test_a_segment_gain_takes_the_one_segment_plan_unless_each_segment_brings_it():
+    """With ``segment_gain`` g, a plan that cuts the stack into s segments is taken only if its
+    predicted samples/s beat the best plan with every layer alike by ``(1 + g) ** (s - 1)``: just
+    under that factor the per-layer plan stays, just over it the one-segment plan is taken
+    (unverified plans and verified ones are weighed the same way, ``_planner._fastest``). 0, the
+    default, is the fastest plan; a negative or non-numeric gain is one clear error."""
+    from osdp_jax._planner import _extra_loops
+    uniform_peaks = sorted({_recorded_plan(int(m * 2**20), per_layer=False, remat=("full",)).predicted_peak_bytes
+                            for m in np.arange(3.0, 8.0, 0.5)})
+    budget = next(int((lo + hi) / 2) for lo, hi in zip(uniform_peaks, uniform_peaks[1:]) if hi - lo >= 2**18)
+    per_layer = _recorded_plan(budget, remat=("full",))
+    uniform = _recorded_plan(budget, per_layer=False, remat=("full",))
+    extra = _extra_loops(per_layer)
+    ratio = per_layer.predicted_samples_per_second / uniform.predicted_samples_per_second
+    assert extra >= 1 and _extra_loops(uniform) == 0 and ratio > 1
+    threshold = ratio ** (1 / extra) - 1  # the gain at which the two plans weigh the same
+    assert _recorded_plan(budget, remat=("full",), segment_gain=0.0).layout == per_layer.layout
+    assert _recorded_plan(budget, remat=("full",), segment_gain=threshold * 0.9).layout == per_layer.layout
+    taken = _recorded_plan(budget, remat=("full",), segment_gain=threshold * 1.1)
+    assert taken.layout == uniform.layout and _extra_loops(taken) == 0
+    for bad in (-0.01, float("nan"), "1%"):
+        with pytest.raises(ValueError, match="segment_gain must be a number >= 0"):
+            _recorded_plan(budget, segment_gain=bad)
+
+
 def test_remat_and_split_probes_run_at_the_largest_batch_size_only(monkeypatch):
     """The remat and split probes are compiled at the largest batch size only
     (``_calibration.AT_TOP``): the remat terms are taken to the smaller sizes in proportion to

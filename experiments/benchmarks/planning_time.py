@@ -38,9 +38,15 @@ is taken within one repeat (the same run) and the table gives the medians over t
 Issue 16's targets: cold <= 3 compiles' worth, second budget <= 0.5. Writes
 experiments/results/planning_time.md.
 
+With ``--segment-gain G`` each config plans with ``plan.segment_gain = G`` (``osdp_jax.plan``'s
+``segment_gain``: a per-layer plan only where each segment beyond a stack's first brings G
+predicted speed-up); ``--out`` names the file written instead.
+
 Run: python experiments/benchmarks/planning_time.py [--configs gpt2_mini,...] [--repeats 3] [--foreign]
+     [--segment-gain 0.01] [--out experiments/results/planning_time_segment_gain.md]
 """
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -89,8 +95,8 @@ def _one_compile(loss_fn, optimizer, params, batch, mesh, plan) -> float:
     return statistics.median(seconds)
 
 
-def measure(name: str) -> dict:
-    s = runner.setup(config.load(f"experiments/{name}.toml"))
+def measure(name: str, segment_gain: float = 0.0) -> dict:
+    s = runner.setup(config.load(f"experiments/{name}.toml", {"plan.segment_gain": str(segment_gain)}))
     budget = osdp_jax.parse_bytes(s.cfg.plan.budget)
     _cold()
     cold, cold_s = _plan(s, budget)
@@ -179,16 +185,23 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="measurements per config; the table gives medians")
     ap.add_argument("--foreign", action="store_true",
                     help="also the three models of experiments/benchmarks/foreign.py (no layer stack)")
+    ap.add_argument("--segment-gain", type=float, default=0.0,
+                    help="the configs' plan.segment_gain (osdp_jax.plan's segment_gain; default 0, as the configs)")
+    ap.add_argument("--out", default="experiments/results/planning_time.md", help="the markdown file written")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     names = [name for name in args.configs.split(",") if name.strip()]
     if not names:  # the file's tables and its text are the configs'
         ap.error(f"--configs needs at least one config, e.g. --configs {CONFIGS[0]}")
-    rows = [_repeated(measure, name.strip(), args.repeats) for name in names]
+    rows = [_repeated(functools.partial(measure, segment_gain=args.segment_gain), name.strip(), args.repeats)
+            for name in names]
     others = [_repeated(measure_foreign, name, args.repeats) for name in (foreign.FAMILIES if args.foreign else ())]
     lines = ["# Planning time", "",
-             "Measured with `python experiments/benchmarks/planning_time.py` on this 2-core machine, 8 simulated",
+             "Measured with `python experiments/benchmarks/planning_time.py"
+             + (f" --segment-gain {args.segment_gain:g}` (each config's `plan.segment_gain` "
+                f"{args.segment_gain:g})" if args.segment_gain else "`")
+             + " on this 2-core machine, 8 simulated",
              "CPU devices, JAX's persistent compilation cache off. Ratios are `plan()` wall time over one compile",
              f"of the chosen train step (the median of {COMPILES} compiles), measured in the same run. Each config was",
              f"measured {args.repeats} times, every",
@@ -240,7 +253,7 @@ def main():
               "(`osdp-jax train`) the chosen plan, when predicted above 90% of its budget, is compiled as a",
               "probe first, then in full if it fits (training runs that executable); below 90%, in full at once:",
               "that ratio holds the compile training then skips.", ""]
-    out = pathlib.Path("experiments/results/planning_time.md")
+    out = pathlib.Path(args.out)
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
 
