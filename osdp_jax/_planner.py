@@ -94,7 +94,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         takes the same choice, one segment), ``segment_gain`` (e.g. 0.01: a plan that cuts a
         stack into s segments is taken only if its predicted samples/s beat the best plan with every
         layer alike, one segment, by a factor ``(1 + segment_gain) ** (s - 1)``: each loop compiles
-        on its own, and on gpt2-48l-1536 a three-segment step took 2 to 3 times as long to compile
+        on its own, and on gpt2-48l-1536 a three-segment step took 2.2 to 3.1 times as long to compile
         as a one-segment one, ``experiments/results/segment_compile.md``; the default 0 takes the
         fastest plan whatever its segments), ``units`` (``fnmatch`` patterns of the submodules
         whose sharded weights are gathered on each call and again in the backward pass,
