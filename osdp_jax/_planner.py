@@ -209,8 +209,7 @@ def _fastest(runs, o: PlanOptions) -> Plan:
         if best is not None and (draft is None or speed(best) >= speed(draft)):
             break  # nothing left can beat it (the runs the model found infeasible are a last resort)
         # a draft that misses and re-plans below the next draft's predicted speed yields to it
-        # (in this run's own samples/s: its draft's segments undo the weighing)
-        floor = (speed(order[i + 1][0])[0] * (1 + o.segment_gain) ** _extra_loops(draft)
+        floor = (_unweighed(speed(order[i + 1][0])[0], o.segment_gain, _extra_loops(draft))
                  if draft is not None and i + 1 < len(order) else None)
         try:
             plan = run(o=o, floor=floor)
@@ -242,6 +241,12 @@ def _speed(plan: Plan, gain: float = 0.0) -> tuple:
     if gain:
         speed = speed / (1 + gain) ** _extra_loops(plan) if speed > 0 else speed * (1 + gain) ** _extra_loops(plan)
     return (speed, -plan.predicted_peak_bytes)
+
+
+def _unweighed(speed: float, gain: float, extra: int) -> float:
+    """A weighed :func:`_speed` in the units of a plan with ``extra`` segments beyond its stacks'
+    first: the floor a run's own re-plans are held to (``verify(floor=)``)."""
+    return speed * (1 + gain) ** extra if speed > 0 else speed / (1 + gain) ** extra
 
 
 def _extra_loops(plan: Plan) -> int:

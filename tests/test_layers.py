@@ -266,6 +266,12 @@ def test_a_segment_gain_takes_the_one_segment_plan_unless_each_segment_brings_it
     assert _recorded_plan(budget, remat=("full",), segment_gain=threshold * 0.9).layout == per_layer.layout
     taken = _recorded_plan(budget, remat=("full",), segment_gain=threshold * 1.1)
     assert taken.layout == uniform.layout and _extra_loops(taken) == 0
+    _, params, loss_fn, batch = toy.stack_setup()  # verified: the plan taken is the one compiled
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    verified = osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=optax.adam(1e-3),
+                             batch_sizes=(16, 64), calibrator=RecordedCalibrator.from_json(STACK_PROBES),
+                             remat=("full",), segment_gain=threshold * 1.1, verify="figures")
+    assert _extra_loops(verified) == 0 and 0 < verified.xla_peak_bytes <= budget
     for bad in (-0.01, float("nan"), "1%"):
         with pytest.raises(ValueError, match="segment_gain must be a number >= 0"):
             _recorded_plan(budget, segment_gain=bad)
