@@ -155,9 +155,11 @@ def _check(cfg: ExperimentConfig):
                             f"give [\"auto\"], [] (no units) or patterns such as [\"blocks_*\"]")
     if cfg.plan.unit_remat not in REMAT_POLICIES:
         _fail("plan.unit_remat", f"unknown remat policy {cfg.plan.unit_remat!r}; give one of {list(REMAT_POLICIES)}")
-    if not 0 <= cfg.plan.segment_gain < float("inf"):
-        _fail("plan.segment_gain", f"must be a number >= 0 (e.g. 0.01: each segment of a layer stack beyond its "
-                                   f"first must bring 1% predicted speed-up; 0: the fastest plan), got {cfg.plan.segment_gain}")
+    from osdp_jax._planner import check_segment_gain
+    try:
+        check_segment_gain(cfg.plan.segment_gain)
+    except ValueError as e:
+        _fail("plan.segment_gain", str(e))
     hw = cfg.plan.hardware
     if hw and hw not in PRESETS and not (hw.endswith(".json") and pathlib.Path(hw).is_file()):
         _fail("plan.hardware", f"unknown preset {hw!r}; give one of {sorted(PRESETS)} or a profile .json "

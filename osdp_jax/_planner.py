@@ -133,10 +133,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if o.verify not in (True, False, "figures", "full"):
         raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
                          f"(compile the step training then runs) or False (trust the model), got {o.verify!r}")
-    gain = o.segment_gain
-    if isinstance(gain, bool) or not (isinstance(gain, (int, float)) and 0 <= gain < math.inf):
-        raise ValueError(f"segment_gain must be a number >= 0, the predicted speed-up each segment of a layer stack "
-                         f"beyond its first must bring (e.g. 0.01 for 1%; 0: the fastest plan), got {gain!r}")
+    check_segment_gain(o.segment_gain)
     policies = _policies(o.remat)
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
@@ -209,7 +206,8 @@ def _fastest(runs, o: PlanOptions) -> Plan:
         if best is not None and (draft is None or speed(best) >= speed(draft)):
             break  # nothing left can beat it (the runs the model found infeasible are a last resort)
         # a draft that misses and re-plans below the next draft's predicted speed yields to it
-        floor = (_unweighed(speed(order[i + 1][0])[0], o.segment_gain, _extra_loops(draft))
+        # (in this run's own units: its draft's segments taken back out of the next draft's weighed speed)
+        floor = (_weighed(speed(order[i + 1][0])[0], o.segment_gain, -_extra_loops(draft))
                  if draft is not None and i + 1 < len(order) else None)
         try:
             plan = run(o=o, floor=floor)
@@ -238,15 +236,20 @@ def _speed(plan: Plan, gain: float = 0.0) -> tuple:
     memory; with a ``gain`` (``PlanOptions.segment_gain``), the samples/s divided by ``(1 + gain)``
     per segment beyond the first of each stack (:func:`_extra_loops`)."""
     speed = plan.predicted_samples_per_second or -(plan.predicted_step_seconds or 0.0)
-    if gain:
-        speed = speed / (1 + gain) ** _extra_loops(plan) if speed > 0 else speed * (1 + gain) ** _extra_loops(plan)
-    return (speed, -plan.predicted_peak_bytes)
+    return (_weighed(speed, gain, _extra_loops(plan)) if gain else speed, -plan.predicted_peak_bytes)
 
 
-def _unweighed(speed: float, gain: float, extra: int) -> float:
-    """A weighed :func:`_speed` in the units of a plan with ``extra`` segments beyond its stacks'
-    first: the floor a run's own re-plans are held to (``verify(floor=)``)."""
-    return speed * (1 + gain) ** extra if speed > 0 else speed / (1 + gain) ** extra
+def _weighed(speed: float, gain: float, loops: int) -> float:
+    """``speed`` (samples/s, or minus the step's seconds) made ``(1 + gain) ** loops`` times worse;
+    negative ``loops`` undo it."""
+    return speed / (1 + gain) ** loops if speed > 0 else speed * (1 + gain) ** loops
+
+
+def check_segment_gain(gain) -> None:
+    """A ``ValueError`` unless ``gain`` is a number >= 0 (``PlanOptions.segment_gain``)."""
+    if isinstance(gain, bool) or not (isinstance(gain, (int, float)) and 0 <= gain < math.inf):
+        raise ValueError(f"segment_gain must be a number >= 0, the predicted speed-up each segment of a layer stack "
+                         f"beyond its first must bring (e.g. 0.01 for 1%; 0: the fastest plan), got {gain!r}")
 
 
 def _extra_loops(plan: Plan) -> int:

@@ -46,7 +46,7 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\nper_layer = "yes"\n', r"plan\.per_layer: expected bool"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nunits = ["auto", "blocks_*"]\n', r"plan\.units: 'auto' .* cannot be combined"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nunit_remat = "dot"\n', r"plan\.unit_remat: unknown remat policy 'dot'"),
-    ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n', r"plan\.segment_gain: must be a number >= 0"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n', r"plan\.segment_gain: segment_gain must be a number >= 0"),
 ])
 def test_bad_configs(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as info:
