@@ -22,6 +22,7 @@ Writes experiments/results/layout_temp.md.
 
 Run: python experiments/benchmarks/layout_temp.py
 """
+import dataclasses
 import json
 import os
 import pathlib
@@ -32,8 +33,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import osdp_jax  # noqa: E402
 from experiments import config, runner  # noqa: E402
-from osdp_jax.runtime.step import compile_counted  # noqa: E402
-from osdp_jax._xla import profile_compiled  # noqa: E402
 
 MINIS = ("gpt2_mini", "opt_mini", "bert_mini")
 PAPER = "paper/gpt2_48l_1536"
@@ -56,9 +55,8 @@ def _layout(plan: osdp_jax.Plan, batch: int, stack: str, remat: str) -> osdp_jax
 
 def _temp(s, plan: osdp_jax.Plan) -> float:
     """XLA's temp bytes of ``plan``'s step, compiled as a probe."""
-    compiled, _ = compile_counted(s.loss_fn, s.optimizer, s.abstract_params(), s.abstract_batch(plan.batch_size),
-                                  s.mesh, plan, figures_only="probe")
-    return profile_compiled(compiled).temp_bytes
+    return osdp_jax.profile_step(s.loss_fn, s.optimizer, s.abstract_params(), s.abstract_batch(plan.batch_size),
+                                 s.mesh, plan, figures_only="probe").temp_bytes
 
 
 def remat_rows(name: str) -> list[dict]:
@@ -82,11 +80,7 @@ def batch_rows() -> list[dict]:
     fsdp = runner.make_plan(runner.at_budget(s, osdp_jax.parse_bytes("4GB")), strategies=("zero3",), remat=("full",),
                             splits=(1,), per_layer=False, verify=False)
     sizes = sorted(s.cfg.plan.batch_sizes)
-    temps = {}
-    for b in sizes:
-        j = json.loads(fsdp.to_json())
-        j["batch_size"] = b
-        temps[b] = _temp(s, osdp_jax.Plan.from_json(json.dumps(j)))
+    temps = {b: _temp(s, dataclasses.replace(fsdp, batch_size=b)) for b in sizes}
     lo, hi = sizes[0], sizes[-1]
     return [dict(batch=b, temp=temps[b], linear=temps[lo] + (b - lo) / (hi - lo) * (temps[hi] - temps[lo]))
             for b in sizes]
