@@ -53,7 +53,7 @@ def unit(fn):
 
     @functools.wraps(fn)
     def wrapped(params, *args, **kwargs):
-        return _runtime.call("function", None, params, fn, *args, **kwargs)
+        return _runtime.call("function", None, params, _runtime.shared(fn, fn), *args, **kwargs)
 
     wrapped.__osdp_unit__ = True
     return wrapped
@@ -73,8 +73,8 @@ def _unit_class(cls):
                 return cls.__call__(self, *args, **kwargs)
             graphdef, state = nnx.split(self)
             if not jax.tree.leaves(nnx.state(self, nnx.Not(nnx.Param))):
-                return _runtime.call("nnx", None, state,
-                                     lambda st, *a, **kw: cls.__call__(nnx.merge(graphdef, st), *a, **kw),
+                return _runtime.call("nnx", None, state, _runtime.shared(
+                    (cls, graphdef), lambda st, *a, **kw: cls.__call__(nnx.merge(graphdef, st), *a, **kw)),
                                      *args, **kwargs)
 
             def run(st, *a, **kw):  # other state (batch statistics) leaves the unit as an output

@@ -404,3 +404,30 @@ def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
         else:  # rng keys and counts: as one device's after three steps
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
             np.testing.assert_array_equal(np.asarray(ddp), np.asarray(ref))
+
+
+@pytest.mark.parametrize("layout", ["ddp", "units"])
+def test_identical_nnx_units_are_traced_once_per_step_and_compile_the_same(mesh, monkeypatch, layout):
+    """An nnx unit's Python runs once per step trace for every block of the same graph definition
+    (``runtime.units.shared``: the later blocks reuse the first one's trace, and JAX its
+    derivatives), and, under the default unit remat ("full"), XLA's figures of the step are those
+    of the step traced block by block."""
+    calls = []
+    block_call = foreign.VitBlock.__call__
+    monkeypatch.setattr(foreign.VitBlock, "__call__", lambda self, x: calls.append(1) or block_call(self, x))
+    params, loss_fn, batch = foreign.vit(depth=3, d=32, batch=16)
+    opt = optax.adam(1e-3)
+    lay = (osdp_jax.Layout.ddp(params, mesh) if layout == "ddp" else
+           osdp_jax.Layout.fsdp(params, mesh, units=osdp_jax.units.find(loss_fn, params, batch)))
+
+    def traced():
+        osdp_jax.planning.clear_compiled()
+        jax.clear_caches()
+        calls.clear()
+        prof = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, lay, figures_only="probe")
+        return len(calls), (prof.peak_bytes, prof.temp_bytes, prof.flops)
+    shared, figures = traced()
+    monkeypatch.setattr(osdp_jax.runtime.units, "shared", lambda key, fn: fn)
+    each, figures_each = traced()
+    assert shared >= 1 and each == 3 * shared, (shared, each)
+    assert figures == figures_each

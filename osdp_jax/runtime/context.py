@@ -113,6 +113,7 @@ class StepContext:
     in_unit: bool = False  # tracing inside a unit call: nested units run as plain calls
     recorded_units: list = dataclasses.field(default_factory=list)  # discovery: (kind, name, paths) per call
     recorded_saved: dict = dataclasses.field(default_factory=dict)  # discovery: unit site -> saved activation bytes
+    shared: dict = dataclasses.field(default_factory=dict)  # unit call site key -> its jitted call (runtime.units.shared)
 
     def wrap(self, array, path: str):
         """What the model gets for parameter ``path``: a :class:`SplitKernel` if the plan splits it

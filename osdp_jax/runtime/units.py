@@ -168,10 +168,35 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
         finally:
             ctx.in_unit = False
 
-    run = jax.checkpoint(inner, policy=policy(ctx.unit_remat))
     shards = [k.shard for k in kernels]
-    out = jax.eval_shape(run, shards, inputs)
+    # the unit traced once: the conditional's branch replays its jaxpr (one checkpoint equation),
+    # where tracing ``run`` again for its output shapes would run the model's Python a second time
+    traced, out = jax.make_jaxpr(jax.checkpoint(inner, policy=policy(ctx.unit_remat)), return_shape=True)(
+        shards, inputs)
+    replay = jax.extend.core.jaxpr_as_fun(traced)
+
+    def run(shards, inputs):
+        return jax.tree.unflatten(jax.tree.structure(out), replay(*jax.tree.leaves((shards, inputs))))
     axes = kernels[0].spec.how.axes
     always = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) >= 0
     return jax.lax.cond(always, run, lambda *_: jax.tree.map(lambda o: jax.lax.full(o.shape, 0, o.dtype), out),
                         shards, inputs)  # (lax.full: PRNG key outputs too, an nnx unit's rng state)
+
+
+
+def shared(key, fn):
+    """``fn(tree, *args, **kwargs)`` as a unit's call site runs it, traced once per step for all
+    the calls of one ``key`` (e.g. an nnx block's class and graph definition) with arguments of the
+    same shapes: an inner ``jax.jit``, kept in the step's context (so a trace never outlives the
+    step that made it), whose trace and whose derivatives' JAX then reuses at the next such call.
+    XLA inlines the call: the compiled step is the same. Plain calls while discovering, and when
+    an argument is not an array (a split kernel, a Python number)."""
+
+    def call(tree, *args, **kwargs):
+        ctx = ACTIVE.get()
+        if ctx is None or ctx.recording or not all(isinstance(x, jax.Array) for x in jax.tree.leaves((tree, args, kwargs))):
+            return fn(tree, *args, **kwargs)
+        if key not in ctx.shared:
+            ctx.shared[key] = jax.jit(fn)
+        return ctx.shared[key](tree, *args, **kwargs)
+    return call
