@@ -2,6 +2,7 @@
 backward pass. The models (experiments/benchmarks/foreign.py) make no osdp-jax call, except the plain-JAX one's
 decorator and the nnx one's ``units.mark``."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -406,19 +407,41 @@ def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
             np.testing.assert_array_equal(np.asarray(ddp), np.asarray(ref))
 
 
-@pytest.mark.parametrize("layout", ["ddp", "units"])
-def test_identical_nnx_units_are_traced_once_per_step_and_compile_the_same(mesh, monkeypatch, layout):
-    """An nnx unit's Python runs once per step trace for every block of the same graph definition
-    (``runtime.units.shared``: the later blocks reuse the first one's trace, and JAX its
-    derivatives), and, under the default unit remat ("full"), XLA's figures of the step are those
-    of the step traced block by block."""
+def _counted_plain_mlp(calls, layers=3, d=32, batch=16):
+    """A plain-JAX MLP of ``@osdp_jax.units.unit`` blocks whose Python counts its runs in ``calls``."""
+    @osdp_jax.units.unit
+    def block(p, x):
+        calls.append(1)
+        return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+    keys = jax.random.split(jax.random.key(0), 2 * layers)
+    params = {f"layer{i}": {"w1": 0.1 * jax.random.normal(keys[2 * i], (d, 2 * d)),
+                            "w2": 0.1 * jax.random.normal(keys[2 * i + 1], (2 * d, d))} for i in range(layers)}
+
+    def loss_fn(p, b):
+        x = b
+        for i in range(layers):
+            x = block(p[f"layer{i}"], x)
+        return (x ** 2).mean()
+    return params, loss_fn, jnp.ones((batch, d))
+
+
+@pytest.mark.parametrize("model,layout", [("nnx", "ddp"), ("nnx", "units"), ("plain", "units")])
+def test_identical_units_are_traced_once_per_step_and_compile_the_same(mesh, monkeypatch, model, layout):
+    """The Python of an nnx unit, or of a ``@osdp_jax.units.unit`` function, runs once per step
+    trace for all its calls (``runtime.units.shared``: the later calls reuse the first one's
+    trace, and JAX its derivatives), and, under the default unit remat ("full"), XLA's figures
+    of the step are those of the step traced call by call."""
     calls = []
-    block_call = foreign.VitBlock.__call__
-    monkeypatch.setattr(foreign.VitBlock, "__call__", lambda self, x: calls.append(1) or block_call(self, x))
-    params, loss_fn, batch = foreign.vit(depth=3, d=32, batch=16)
+    if model == "nnx":
+        block_call = foreign.VitBlock.__call__
+        monkeypatch.setattr(foreign.VitBlock, "__call__", lambda self, x: calls.append(1) or block_call(self, x))
+        params, loss_fn, batch = foreign.vit(depth=3, d=32, batch=16)
+    else:
+        params, loss_fn, batch = _counted_plain_mlp(calls)
     opt = optax.adam(1e-3)
     lay = (osdp_jax.Layout.ddp(params, mesh) if layout == "ddp" else
            osdp_jax.Layout.fsdp(params, mesh, units=osdp_jax.units.find(loss_fn, params, batch)))
+    assert layout == "ddp" or len(set(lay.units.values())) == 3  # every block a unit
 
     def traced():
         osdp_jax.planning.clear_compiled()
