@@ -31,6 +31,9 @@ Three kinds of call sites reach :func:`call`:
 - functions decorated with ``osdp_jax.units.unit`` (plain JAX), whose first argument is the
   unit's parameters.
 
+The calls of nnx units of one graph definition, and of one decorated function, are traced once
+per step (:func:`shared`).
+
 While the planner discovers a model (``StepContext.recording``), each call is recorded with the
 paths of the parameters it holds (``StepContext.recorded_units``) and, once it has run, the
 activations its backward pass would keep (:func:`measure`); nothing changes.
@@ -183,13 +186,14 @@ def call(kind: str, name: str | None, tree, fn, *args, **kwargs):
                         shards, inputs)  # (lax.full: PRNG key outputs too, an nnx unit's rng state)
 
 
-
 def shared(key, fn):
     """``fn(tree, *args, **kwargs)`` as a unit's call site runs it, traced once per step for all
     the calls of one ``key`` (e.g. an nnx block's class and graph definition) with arguments of the
     same shapes: an inner ``jax.jit``, kept in the step's context (so a trace never outlives the
     step that made it), whose trace and whose derivatives' JAX then reuses at the next such call.
-    XLA inlines the call: the compiled step is the same. Plain calls while discovering, and when
+    XLA inlines the call: under the default unit remat ("full") the compiled step's figures are
+    those of the calls traced one by one; under "dots" and "none" JAX's remat saves a little
+    differently inside the inner jit (README, *Units*). Plain calls while discovering, and when
     an argument is not an array (a split kernel, a Python number)."""
 
     def call(tree, *args, **kwargs):
