@@ -80,7 +80,8 @@ def _unit_class(cls):
             def run(st, *a, **kw):  # other state (batch statistics) leaves the unit as an output
                 module = nnx.merge(graphdef, st)  # new variables, at this trace level
                 return cls.__call__(module, *a, **kw), nnx.as_pure(nnx.state(module, nnx.Not(nnx.Param)))
-            out, other = _runtime.call("nnx", None, nnx.as_pure(state), run, *args, **kwargs)
+            out, other = _runtime.call("nnx", None, nnx.as_pure(state), _runtime.shared((cls, graphdef, "state"), run),
+                                       *args, **kwargs)
             nnx.update(self, other)
             return out
 

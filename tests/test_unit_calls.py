@@ -454,3 +454,25 @@ def test_identical_units_are_traced_once_per_step_and_compile_the_same(mesh, mon
     each, figures_each = traced()
     assert shared >= 1 and each == 3 * shared, (shared, each)
     assert figures == figures_each
+
+
+def test_nnx_units_with_other_state_are_traced_once_per_step(mesh, monkeypatch):
+    """The calls of nnx units that hold batch statistics and dropout rng state (``foreign.nnx_bn_mlp``)
+    share one trace per step too; ``test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp``
+    checks that their training, rng counts and all, is unchanged."""
+    calls = []
+    block_call = foreign.BnBlock.__call__
+    monkeypatch.setattr(foreign.BnBlock, "__call__", lambda self, x: calls.append(1) or block_call(self, x))
+    params, state, loss_fn, batch = foreign.nnx_bn_mlp(depth=3, d=32, batch=16)
+    units = osdp_jax.units.find(lambda p, b: loss_fn(p, b, state)[0], params, batch)
+    layout, opt = osdp_jax.Layout.fsdp(params, mesh, units=units), optax.sgd(0.01)
+    p = osdp_jax.shard(params, mesh, layout)
+    o = osdp_jax.init_opt_state(opt, p, layout, mesh)
+
+    def traced():
+        calls.clear()
+        osdp_jax.make_train_step(loss_fn, opt, layout, mesh, state=True).lower(p, o, batch, state)
+        return len(calls)
+    shared = traced()
+    monkeypatch.setattr(osdp_jax.runtime.units, "shared", lambda key, fn: fn)
+    assert shared >= 1 and traced() == 3 * shared
