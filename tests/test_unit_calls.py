@@ -476,3 +476,16 @@ def test_nnx_units_with_other_state_are_traced_once_per_step(mesh, monkeypatch):
     shared = traced()
     monkeypatch.setattr(osdp_jax.runtime.units, "shared", lambda key, fn: fn)
     assert shared >= 1 and traced() == 3 * shared
+
+
+def test_a_shared_call_whose_key_cannot_be_hashed_is_a_plain_call():
+    """``runtime.units.shared`` with a key that cannot be hashed (a graph definition holding an
+    array) runs the call plainly, each time, and gives the same result."""
+    from osdp_jax.runtime import units as runtime_units
+    from osdp_jax.runtime.context import StepContext, active
+    calls, ctx = [], StepContext()
+    with active(ctx):
+        f = runtime_units.shared(({"unhashable": 1},), lambda t, x: calls.append(1) or t * x)
+        out = jax.jit(lambda t, x: f(t, x) + f(t, x))(jnp.full(2, 2.0), jnp.full(2, 3.0))
+    np.testing.assert_array_equal(np.asarray(out), [12.0, 12.0])
+    assert len(calls) == 2 and ctx.shared == {}

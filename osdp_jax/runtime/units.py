@@ -193,14 +193,18 @@ def shared(key, fn):
     step that made it), whose trace and whose derivatives' JAX then reuses at the next such call.
     XLA inlines the call: under the default unit remat ("full") the compiled step's figures are
     those of the calls traced one by one; under "dots" and "none" JAX's remat saves a little
-    differently inside the inner jit (README, *Units*). Plain calls while discovering, and when
-    an argument is not an array (a split kernel, a Python number)."""
+    differently inside the inner jit (README, *Units*). Plain calls while discovering, when an
+    argument is not an array (a split kernel, a Python number), and when ``key`` cannot be hashed."""
 
     def call(tree, *args, **kwargs):
         ctx = ACTIVE.get()
         if ctx is None or ctx.recording or not all(isinstance(x, jax.Array) for x in jax.tree.leaves((tree, args, kwargs))):
             return fn(tree, *args, **kwargs)
-        if key not in ctx.shared:
-            ctx.shared[key] = jax.jit(fn)
-        return ctx.shared[key](tree, *args, **kwargs)
+        try:
+            jitted = ctx.shared.get(key)
+        except TypeError:  # a key that cannot be hashed (a graph definition holding an array): not shared
+            return fn(tree, *args, **kwargs)
+        if jitted is None:
+            jitted = ctx.shared[key] = jax.jit(fn)
+        return jitted(tree, *args, **kwargs)
     return call
