@@ -13,9 +13,13 @@ once per step, and every block's parameters gathered at the block (its units). T
 alternate, every cache cleared before each; medians of ``--repeats`` (default 5). XLA's figures of
 the compiled step are the same either way (``tests/test_unit_calls.py`` asserts it).
 
+Then the whole cold ``osdp_jax.plan`` of the same ViT, as ``planning_time.py --foreign`` plans it
+(at 40% of the way from its FSDP peak to its DDP peak, Adam, every cache cleared before each),
+both ways alternating, ``--plans`` pairs (default 3): what the shared trace saves of a plan.
+
 Writes experiments/results/unit_trace.md.
 
-Run: python experiments/benchmarks/unit_trace.py [--repeats 5]
+Run: python experiments/benchmarks/unit_trace.py [--repeats 5] [--plans 3]
 """
 import argparse
 import os
@@ -46,12 +50,38 @@ def traced_seconds(loss_fn, opt, params, batch, mesh, layout) -> float:
     return time.perf_counter() - t0
 
 
+def cold_plans(params, loss_fn, batch, opt, mesh, ways: dict, pairs: int) -> list[str]:
+    """Rows of the cold-plan table: ``pairs`` cold plans each way, alternating."""
+    peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
+    ddp, fsdp = peak(osdp_jax.Layout.ddp(params, mesh)), peak(osdp_jax.Layout.fsdp(params, mesh))
+    budget = int(fsdp + 0.4 * (ddp - fsdp))
+    shared, runs = units.shared, {way: [] for way in ways}
+    for _ in range(pairs):
+        for way, fn in ways.items():
+            osdp_jax.planning.clear_probe_cache()
+            osdp_jax.planning.clear_compiled()
+            jax.clear_caches()
+            units.shared = fn
+            try:
+                t0 = time.perf_counter()
+                p = osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=opt)
+                runs[way].append((time.perf_counter() - t0, p.compiles))
+            finally:
+                units.shared = shared
+            print(f"cold plan, {way}: {runs[way][-1][0]:.1f} s, {p.compiles} compiles", flush=True)
+    ratios = [a[0] / b[0] for a, b in zip(runs["shared"], runs["each block"])]
+    return [f"| {way} | {statistics.median(s for s, _ in r):.1f} s | "
+            f"{'-'.join(str(c) for c in sorted({c for _, c in r}))} | {', '.join(f'{s:.1f}' for s, _ in r)} | "
+            f"{', '.join(f'{x:.2f}' for x in ratios) if way == 'shared' else ''} |" for way, r in runs.items()]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--plans", type=int, default=3, help="pairs of cold plans (0: none)")
     args = ap.parse_args()
-    if args.repeats < 1:
-        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.repeats < 1 or args.plans < 0:
+        ap.error(f"--repeats must be at least 1 and --plans at least 0, got {args.repeats} and {args.plans}")
     mesh, opt = jax.make_mesh((8,), ("data",)), optax.adam(1e-3)
     params, loss_fn, batch = foreign.FAMILIES[MODEL]()
     layouts = {"replicated": osdp_jax.Layout.ddp(params, mesh),
@@ -76,6 +106,7 @@ def main():
         rows.append(f"| {name} | {med['each block']:.2f} s | {med['shared']:.2f} s | "
                     f"{statistics.median(ratios):.2f} | {', '.join(f'{r:.2f}' for r in ratios)} |")
         print(rows[-1], flush=True)
+    plan_rows = cold_plans(params, loss_fn, batch, opt, mesh, ways, args.plans) if args.plans else []
     lines = ["# Tracing a step whose nnx blocks are units", "",
              f"Measured with `python experiments/benchmarks/unit_trace.py --repeats {args.repeats}`: seconds "
              f"to trace and lower the train step (nothing compiled) of the foreign-model benchmarks' {MODEL}, "
@@ -85,6 +116,13 @@ def main():
              f"ways alternating; the ratio is taken within each pair.", "",
              "| layout | each block | shared | shared / each block | the pairs' ratios |",
              "|---|---|---|---|---|", *rows, ""]
+    if plan_rows:
+        lines += ["## A cold plan", "",
+                  f"`osdp_jax.plan` of the same ViT at 40% of the way from its FSDP peak to its DDP peak (XLA's, "
+                  f"compiled first), every cache cleared before each, the two ways alternating, {args.plans} pairs; "
+                  f"seconds of the whole plan and its XLA compiles (measured).", "",
+                  "| way | plan (median) | compiles | the plans | shared / each block, per pair |",
+                  "|---|---|---|---|---|", *plan_rows, ""]
     out = pathlib.Path("experiments/results/unit_trace.md")
     out.write_text("\n".join(lines))
     print(out.read_text())
