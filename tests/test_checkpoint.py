@@ -25,6 +25,9 @@ CONFIG = "experiments/gpt2_mini.toml"
 ARGS = ["--steps", "12", "--checkpoint-every", "3", "--plan.batch_sizes=32", "--budget", "1.35MiB"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPLIT = ("blocks/layers/fc1/kernel", "blocks/layers/fc2/kernel")
+# one worker runs this module (--dist loadgroup in pyproject.toml): its module fixtures (the
+# uninterrupted run, 5 to 6 s) are then computed once, not once per worker
+pytestmark = pytest.mark.xdist_group("checkpoint")
 
 
 def _setup(args=ARGS):
