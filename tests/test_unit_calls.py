@@ -407,7 +407,7 @@ def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
             np.testing.assert_array_equal(np.asarray(ddp), np.asarray(ref))
 
 
-def _counted_plain_mlp(calls, layers=3, d=32, batch=16):
+def _counted_plain_mlp(calls, layers=3, d=16, batch=8):
     """A plain-JAX MLP of ``@osdp_jax.units.unit`` blocks whose Python counts its runs in ``calls``."""
     @osdp_jax.units.unit
     def block(p, x):
@@ -435,7 +435,7 @@ def test_identical_units_are_traced_once_per_step_and_compile_the_same(mesh, mon
     if model == "nnx":
         block_call = foreign.VitBlock.__call__
         monkeypatch.setattr(foreign.VitBlock, "__call__", lambda self, x: calls.append(1) or block_call(self, x))
-        params, loss_fn, batch = foreign.vit(depth=3, d=32, batch=16)
+        params, loss_fn, batch = foreign.vit(depth=3, d=16, batch=8)
     else:
         params, loss_fn, batch = _counted_plain_mlp(calls)
     opt = optax.adam(1e-3)
