@@ -297,3 +297,10 @@ FAMILIES = {
     "ResNet 3x2 blocks, GroupNorm (linen conv)": lambda: resnet((2, 2, 2), width=32, batch=32),
     "ViT, 8 blocks in a Python loop (nnx)": lambda: vit(depth=8, d=128, batch=32),
 }
+
+
+def ddp_fsdp_peaks(params, loss_fn, batch, opt, mesh) -> tuple[int, int]:
+    """XLA's per-device peak bytes of the train step under DDP and under FSDP without units: the
+    ends the foreign-model benchmarks place their budgets between."""
+    return tuple(osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes
+                 for layout in (osdp_jax.Layout.ddp(params, mesh), osdp_jax.Layout.fsdp(params, mesh)))

@@ -42,10 +42,9 @@ def main():
     for name, make in FAMILIES.items():
         params, loss_fn, batch = make()
         units = osdp_jax.units.find(loss_fn, params, batch)
-        peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
-        ddp = peak(osdp_jax.Layout.ddp(params, mesh))
-        fsdp = peak(osdp_jax.Layout.fsdp(params, mesh))
-        with_units = peak(osdp_jax.Layout.fsdp(params, mesh, units=units))
+        ddp, fsdp = foreign.ddp_fsdp_peaks(params, loss_fn, batch, opt, mesh)
+        with_units = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh,
+                                           osdp_jax.Layout.fsdp(params, mesh, units=units)).peak_bytes
         total = sum(i.nbytes for i in osdp_jax.describe(params))
         lines += [f"## {name}", "",
                   f"{total / MIB:.2f} MiB of parameters; units found: {len(set(units.values()))} "

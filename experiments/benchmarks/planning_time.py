@@ -123,8 +123,7 @@ def measure_foreign(name: str) -> dict:
     (``foreign.FAMILIES``), at 40% and 60% of the way from its FSDP peak to its DDP peak."""
     mesh, opt = jax.make_mesh((8,), ("data",)), optax.adam(1e-3)
     params, loss_fn, batch = foreign.FAMILIES[name]()
-    peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
-    ddp, fsdp = peak(osdp_jax.Layout.ddp(params, mesh)), peak(osdp_jax.Layout.fsdp(params, mesh))
+    ddp, fsdp = foreign.ddp_fsdp_peaks(params, loss_fn, batch, opt, mesh)
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt)
     timed = []
     _cold()

@@ -52,8 +52,7 @@ def traced_seconds(loss_fn, opt, params, batch, mesh, layout) -> float:
 
 def cold_plans(params, loss_fn, batch, opt, mesh, ways: dict, pairs: int) -> list[str]:
     """Rows of the cold-plan table: ``pairs`` cold plans each way, alternating."""
-    peak = lambda layout: osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes  # noqa: E731
-    ddp, fsdp = peak(osdp_jax.Layout.ddp(params, mesh)), peak(osdp_jax.Layout.fsdp(params, mesh))
+    ddp, fsdp = foreign.ddp_fsdp_peaks(params, loss_fn, batch, opt, mesh)
     budget = int(fsdp + 0.4 * (ddp - fsdp))
     shared, runs = units.shared, {way: [] for way in ways}
     for _ in range(pairs):
