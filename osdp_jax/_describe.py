@@ -76,6 +76,19 @@ def describe(params) -> list[ParamInfo]:
     return infos
 
 
+def check_trainable(infos) -> None:
+    """A ``ValueError`` naming the first parameter whose dtype is not floating point (integer,
+    boolean): its gradient is undefined, so it cannot be trained, sharded by its gradient or
+    given optimizer state."""
+    for i in infos:
+        if not jax.numpy.issubdtype(i.dtype, jax.numpy.inexact):
+            raise ValueError(
+                f"parameter {i.path!r} has dtype {i.dtype}: osdp-jax plans and trains floating-point "
+                f"parameters only (an integer or boolean array has no gradient). Pass only the "
+                f"trainable parameters (linen: variables['params']; nnx: nnx.state(model, nnx.Param)) "
+                f"and give loss_fn the other arrays another way (a closure, or the batch)")
+
+
 def unboxed_treedef(params):
     """The treedef of ``params`` with Flax linen metadata boxes removed (nnx.State kept as is)."""
     return jax.tree.structure(meta.unbox(params))

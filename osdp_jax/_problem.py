@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._cost import Topology
-from ._describe import ParamInfo, describe
+from ._describe import ParamInfo, check_trainable, describe
 from ._discover import find
 from ._layout import Layout, ParamLayout, one_segment
 from ._stack import Segment, check_remat
@@ -207,6 +207,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     under zero3) is replicated, the one layout that always applies.
     """
     infos = tuple(describe(params))
+    check_trainable(infos)
     in_loop, dense, splittable, stacks, unit_of, last_unit, saved, fingerprint = frozenset(), frozenset(), frozenset(), (), {}, "", {}, ""
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)

@@ -1,6 +1,7 @@
 """Byte quantities: parsing ``"512MiB"``/``"8GB"`` and printing them back."""
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {"": 1, "b": 1,
@@ -22,8 +23,8 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError(f"invalid byte size {value!r}: give an int or a string such as '8GB'")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"invalid byte size {value!r}: must be positive")
+        if not math.isfinite(value) or value < 1:
+            raise ValueError(f"invalid byte size {value!r}: must be a finite number of bytes, at least 1")
         return int(value)
     match = _PATTERN.match(str(value))
     unit = match.group(2).lower() if match else None
@@ -32,8 +33,8 @@ def parse_bytes(value: int | float | str) -> int:
             f"invalid byte size {value!r}: expected a number with an optional unit "
             f"(B, kB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '512MiB' or '8GB'")
     size = float(match.group(1)) * _UNITS[unit]
-    if size <= 0:
-        raise ValueError(f"invalid byte size {value!r}: must be positive")
+    if not math.isfinite(size) or size < 1:
+        raise ValueError(f"invalid byte size {value!r}: must be a finite number of bytes, at least 1")
     return int(size)
 
 

@@ -118,6 +118,20 @@ def test_bad_inputs(mesh, setup):
         osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss)
 
 
+def test_an_integer_parameter_is_one_clear_error(mesh, setup):
+    """An integer leaf among the params (a whole nnx state passed, say) has no gradient: plan and
+    make_train_step name it and say what to pass instead, before anything is compiled."""
+    params = {**setup[0], "counts": jnp.zeros((8,), jnp.int32)}
+    with pytest.raises(ValueError, match=r"parameter 'counts' has dtype int32: .*nnx.state\(model, nnx.Param\)"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss, batch=toy.tokens(16))
+    with pytest.raises(ValueError, match="parameter 'counts' has dtype int32"):
+        osdp_jax.plan(params, mesh, budget="1GB")
+    layout = osdp_jax.Layout.ddp(params, mesh)
+    step = osdp_jax.make_train_step(toy.plain_loss, optax.adam(1e-3), layout, mesh)
+    with pytest.raises(ValueError, match="parameter 'counts' has dtype int32"):
+        step(params, optax.adam(1e-3).init(params), toy.tokens(16))
+
+
 def test_without_loss_fn_plans_states_only(mesh, setup):
     params = setup[0]
     total = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -11,7 +11,7 @@ def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["8 parsecs", "", "-1GB", "GB", 0, True])
+@pytest.mark.parametrize("bad", ["8 parsecs", "", "-1GB", "GB", 0, True, 0.5, "0.5B", float("nan"), float("inf")])
 def test_parse_bytes_rejects(bad):
     with pytest.raises(ValueError, match="byte size"):
         parse_bytes(bad)

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._describe import describe, path_name, strip_boxes
+from .._describe import check_trainable, describe, path_name, strip_boxes
 from .._layout import (Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree,
                        state_spec_tree)
 from .._stack import Segmented, is_segmented
@@ -325,7 +325,9 @@ def _gathering(layout: Layout, mesh, params) -> _Gathering:
     otherwise gather them at the start of the step and keep them alive through the layer loops);
     and before the loss for the rest."""
     how = layout.collectives()
-    shapes = {i.path: i.shape for i in describe(params)}
+    infos = describe(params)
+    check_trainable(infos)
+    shapes = {i.path: i.shape for i in infos}
     split_specs, stacks, units = {}, {}, {}
     for pl in layout.params:
         if pl.in_loop:
