@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 from typing import NamedTuple
 
 import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from ._describe import strip_boxes
+from ._describe import path_name, strip_boxes
 from .runtime.context import StepContext, active
 from .runtime.hooks import wrap_tree
 from .runtime.interception import intercepting
@@ -37,7 +38,11 @@ class Found(NamedTuple):
     units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
     saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
     fingerprint: str = ""  # the loss's (:func:`fingerprint`)
+    looped: frozenset = frozenset()  # paths of parameters a loop of the user's own slices per iteration
+    #                                  (:func:`looped_params`; not layers.scan's)
 
+
+log = logging.getLogger("osdp_jax")
 
 CONST_BYTES = 1 << 20  # constants up to this size are fingerprinted by value too; larger ones by shape
 
@@ -126,8 +131,71 @@ def _find(loss_fn, params, batch) -> Found:
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
     found = (sorted(ctx.recorded_loop), sorted(ctx.recorded_split), stacks, tuple(ctx.recorded_units),
              sorted(ctx.recorded_saved.items(), key=repr))
+    paths = [path_name(k) for k, _ in jax.tree_util.tree_flatten_with_path(strip_boxes(params))[0]]
+    looped = looped_params(closed.jaxpr, paths) - set(ctx.recorded_loop)
+    if looped:
+        names = sorted(looped)
+        log.warning(
+            "osdp_jax: %d parameter(s) are sliced per iteration by a loop of the model's own (jax.lax.scan, "
+            "Flax nn.scan or nnx.scan, or params[i] in a loop), e.g. %s: osdp-jax plans them as ordinary "
+            "parameters, so a sharded one is gathered whole once per step, before the loop, every slice at "
+            "once. If they are a stack of layers, run it with osdp_jax.layers.Stack (linen), "
+            "osdp_jax.layers.NnxStack (nnx) or osdp_jax.layers.scan to gather one layer at a time and plan "
+            "per layer", len(names), ", ".join(names[:3]))
     return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved),
-                 fingerprint(closed, jax.tree.structure(out), *found))
+                 fingerprint(closed, jax.tree.structure(out), *found), frozenset(looped))
+
+
+_PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims", "transpose"}
+_LOOPS = {"scan", "while"}
+
+
+def looped_params(jaxpr, paths) -> set[str]:
+    """Paths of the parameters (the first ``len(paths)`` inputs of ``jaxpr``) that a loop in it
+    slices per iteration: a ``scan``'s per-iteration operand (``xs``: Flax ``nn.scan`` and
+    ``nnx.scan`` pass stacked parameters so), or an array a ``scan`` or ``while`` body takes one
+    leading slice of (``dynamic_slice`` of size 1 along the first dimension and whole along the
+    others: ``params[i]`` in a ``fori_loop``; a ``gather``, an embedding lookup, is not counted).
+    Values are followed through dtype casts and reshapes and into nested jaxprs (``jit``,
+    ``remat``, custom derivatives, loop bodies)."""
+    found: set[str] = set()
+
+    def walk(j, alias: dict, in_loop: bool):
+        alias = dict(alias)
+        for eqn in j.eqns:
+            ins = [alias.get(v) if not isinstance(v, jcore.Literal) else None for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _PASS_THROUGH and ins and ins[0] is not None:
+                for out in eqn.outvars:
+                    alias[out] = ins[0]
+                continue
+            if name == "scan":
+                first = eqn.params["num_consts"] + eqn.params["num_carry"]
+                found.update(p for p in ins[first:] if p is not None)
+            if in_loop and name == "dynamic_slice" and ins and ins[0] is not None:
+                shape, sizes = eqn.invars[0].aval.shape, tuple(eqn.params["slice_sizes"])
+                if len(shape) >= 1 and sizes[0] == 1 and sizes[1:] == tuple(shape[1:]):
+                    found.add(ins[0])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                    if not isinstance(inner, jcore.Jaxpr):
+                        continue
+                    if len(inner.invars) == len(eqn.invars):  # operands passed in order (jit, remat, scan)
+                        mapping = {b: p for b, p in zip(inner.invars, ins) if p is not None}
+                    elif name == "while":  # cond_jaxpr and body_jaxpr take their consts, then the carry
+                        cond = sub is eqn.params.get("cond_jaxpr")
+                        n = eqn.params["cond_nconsts" if cond else "body_nconsts"]
+                        start = 0 if cond else eqn.params["cond_nconsts"]
+                        carry = ins[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]:]
+                        mapping = {b: p for b, p in zip(inner.invars, ins[start:start + n] + carry) if p is not None}
+                    else:
+                        mapping = {}
+                    if mapping:
+                        walk(inner, mapping, in_loop or name in _LOOPS)
+
+    walk(jaxpr, {v: p for v, p in zip(jaxpr.invars, paths)}, False)
+    return found
 
 
 def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:

@@ -424,3 +424,69 @@ def test_step_flops_count_every_layer_of_a_loop():
         total = osdp_jax.profile_compiled(traced.lower().compile(), osdp_jax.xla.loop_flops(traced.jaxpr)).flops
         assert total == pytest.approx(layers * per_layer, rel=0.01)
 
+
+
+_L, _D = 4, 16
+_LOOP_PARAMS = {"emb": jnp.ones((50, _D)), "stack": jnp.ones((_L, _D, _D)), "w": jnp.ones((_D, _D))}
+
+
+def _scan_xs(p, x, t):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])[0].sum()
+
+
+@pytest.mark.parametrize("loss,looped", [
+    (_scan_xs, {"stack"}),
+    (lambda p, x, t: jax.lax.fori_loop(0, _L, lambda i, h: jnp.tanh(h @ p["stack"][i]), x).sum(), {"stack"}),
+    (lambda p, x, t: jax.lax.fori_loop(0, _L, lambda i, c: (jnp.tanh(c[0] @ c[1][i]), c[1]),
+                                       (x, p["stack"]))[0].sum(), {"stack"}),
+    (lambda p, x, t: jax.lax.scan(lambda h, w: (h @ w, None), x.astype(jnp.bfloat16),
+                                  p["stack"].astype(jnp.bfloat16))[0].sum(), {"stack"}),
+    (lambda p, x, t: jax.jit(_scan_xs)(p, x, t), {"stack"}),
+    (lambda p, x, t: jax.lax.scan(jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None)), x, p["stack"])[0].sum(),
+     {"stack"}),
+    # an embedding looked up in a loop over time, and a weight used whole in every iteration: not stacks
+    (lambda p, x, t: jax.lax.scan(lambda h, tok: (jnp.tanh(h @ p["w"] + p["emb"][tok]), None), x, t.T)[0].sum(),
+     set()),
+    (lambda p, x, t: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ p["w"]), x).sum(), set()),
+    (lambda p, x, t: (x @ p["w"]).sum() + p["stack"].sum(), set()),
+], ids=["scan-xs", "fori-index", "fori-carry", "cast-then-scan", "jit", "remat-body", "embedding-in-loop",
+        "weight-in-loop", "no-loop"])
+def test_parameters_a_loop_of_the_models_own_slices_are_found(loss, looped):
+    from osdp_jax._discover import looped_params
+    jaxpr = jax.make_jaxpr(loss)(_LOOP_PARAMS, jnp.ones((8, _D)), jnp.zeros((8, 6), jnp.int32)).jaxpr
+    assert looped_params(jaxpr, sorted(_LOOP_PARAMS)) == looped
+
+
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(x.shape[-1])(jnp.tanh(x)), None
+
+
+class _FlaxScanModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scanned = nn.scan(nn.remat(_ScanBlock), variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        return scanned(name="blocks")(nn.Dense(16)(x), None)[0].mean()
+
+
+def test_a_flax_nn_scan_stack_is_planned_whole_with_a_warning_naming_it(mesh, caplog):
+    """Flax's own nn.scan slices its stacked parameters inside a loop osdp-jax does not cut: they
+    are planned as ordinary parameters (gathered whole once per step when sharded), the plan
+    fits by XLA, and one warning names them and says how to plan them per layer. A stack run by
+    osdp_jax.layers.Stack draws no such warning."""
+    model, x = _FlaxScanModel(), jnp.ones((32, 16))
+    params = model.init(jax.random.key(0), x)["params"]
+    loss_fn = lambda p, b: model.apply({"params": p}, b)  # noqa: E731
+    with caplog.at_level("WARNING", logger="osdp_jax"):
+        plan = osdp_jax.plan(params, mesh, budget="1MiB", loss_fn=loss_fn, batch=x, optimizer=optax.adam(1e-3))
+    said = [r.getMessage() for r in caplog.records if "sliced per iteration" in r.getMessage()]
+    assert len(said) == 1 and "e.g. blocks/Dense_0/bias, blocks/Dense_0/kernel" in said[0]
+    assert "osdp_jax.layers.Stack (linen)" in said[0]
+    assert not any(pp.in_loop for pp in plan.params) and plan.xla_peak_bytes <= plan.budget_bytes
+    caplog.clear()
+    stacked, cfg, _ = models.get("gpt2-mini")
+    params = models.init_params(stacked, 16, seed=0)
+    with caplog.at_level("WARNING", logger="osdp_jax"):
+        in_loop, _ = osdp_jax.discover(models.make_loss(stacked), params, toy.lm_batch(cfg.vocab_size, 16, 16))
+    assert in_loop and not any("sliced per iteration" in r.getMessage() for r in caplog.records)
