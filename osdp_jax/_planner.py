@@ -33,7 +33,8 @@ from ._strategies import (DEFAULT_SPLITS, GATHERED, accumulation, axes_size, che
                           check_strategies, data_axes)
 from ._units import format_bytes, parse_bytes
 from ._verify import Superseded, verify
-from .runtime.step import PROBE_TOLERANCE, compile_count, compile_seconds, profile_checked, profile_step
+from .runtime.step import (PROBE_TOLERANCE, check_batch_leaves, compile_count, compile_seconds, profile_checked,
+                           profile_step)
 
 log = logging.getLogger("osdp_jax")
 
@@ -550,11 +551,8 @@ def _batches(loss_fn, batch, batch_sizes, n: int) -> dict:
             raise ValueError("loss_fn needs an example batch: pass batch=...")
         return {None: None}
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-    leading = {x.shape[0] if x.shape else None for x in jax.tree.leaves(batch)}
-    if len(leading) != 1 or None in leading:
-        raise ValueError(f"batch leaves must share one leading (global batch) dimension, got "
-                         f"{sorted(map(str, leading))}")
-    sizes = sorted(set(batch_sizes)) if batch_sizes is not None else [leading.pop()]
+    leading = check_batch_leaves(batch)
+    sizes = sorted(set(batch_sizes)) if batch_sizes is not None else [leading]
     bad = [b for b in sizes if b % n or b <= 0]
     if bad:
         raise ValueError(f"batch size {bad[0]} is not a positive multiple of the {n} data-parallel devices; "

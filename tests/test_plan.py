@@ -118,6 +118,25 @@ def test_bad_inputs(mesh, setup):
         osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss)
 
 
+def test_a_scalar_or_mismatched_batch_leaf_is_one_clear_error(mesh, setup):
+    """A batch leaf with no leading (global batch) dimension, or leaves of two batch sizes: plan
+    and the train step name the leaf (a scalar got "the plan was made for global batch size 32,
+    got a batch of 32, a scalar" from the step before)."""
+    params, loss_fn = setup[0], lambda p, b: toy.plain_loss(p, b["tokens"]) * b["scale"]
+    tokens = toy.tokens(32)
+    with pytest.raises(ValueError, match=r"batch leaf 'scale' is a scalar: .*a closure"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch={"tokens": tokens, "scale": jnp.float32(2)})
+    with pytest.raises(ValueError, match=r"one leading \(global batch\) dimension, got 'a' 32, 'b' 16"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=lambda p, b: toy.plain_loss(p, b["a"]),
+                      batch={"a": tokens, "b": tokens[:16]})
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss, batch=tokens, verify=False)
+    opt = optax.adam(1e-3)
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+    sharded = osdp_jax.shard(params, mesh, plan)
+    with pytest.raises(ValueError, match="batch leaf 'scale' is a scalar"):
+        step(sharded, osdp_jax.init_opt_state(opt, sharded, plan, mesh), {"tokens": tokens, "scale": jnp.float32(2)})
+
+
 def test_an_integer_parameter_is_one_clear_error(mesh, setup):
     """An integer leaf among the params (a whole nnx state passed, say) has no gradient: plan and
     make_train_step name it and say what to pass instead, before anything is compiled."""

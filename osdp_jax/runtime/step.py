@@ -31,6 +31,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -47,6 +48,26 @@ from .hooks import wrap_tree
 from .interception import intercepting
 from .stack import SegmentRun, StackView
 from .place import abstract_args
+
+
+def check_batch_leaves(batch) -> int:
+    """The global batch size: every leaf of ``batch`` has it as its leading dimension. A scalar
+    leaf, or leaves of different leading sizes, is a ``ValueError`` naming them."""
+    leaves = [(path_name(path) or "<root>", tuple(getattr(leaf, "shape", np.shape(leaf))))
+              for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]]
+    if not leaves:
+        raise ValueError("the batch has no array leaves")
+    for name, shape in leaves:
+        if not shape:
+            raise ValueError(
+                f"batch leaf {name!r} is a scalar: every batch leaf is split over the devices along its "
+                f"leading (global batch) dimension; give loss_fn a per-step constant another way (a "
+                f"closure), or repeat it once per example")
+    sizes = {shape[0] for _, shape in leaves}
+    if len(sizes) > 1:
+        shown = ", ".join(f"{name!r} {shape[0]}" for name, shape in leaves[:6])
+        raise ValueError(f"batch leaves must share one leading (global batch) dimension, got {shown}")
+    return sizes.pop()
 
 
 def check_batch(batch, n: int):
@@ -511,12 +532,11 @@ class TrainStep:
     def _check_batch_size(self, args):
         if self._batch_size is None or len(args) <= self._batch_arg:
             return
-        got = {getattr(leaf, "shape", (None,))[:1] for leaf in jax.tree.leaves(args[self._batch_arg])}
-        if got != {(self._batch_size,)}:
-            shown = sorted(str(g[0]) if g else "a scalar" for g in got)
+        got = check_batch_leaves(args[self._batch_arg])
+        if got != self._batch_size:
             raise ValueError(
                 f"the plan was made for global batch size {self._batch_size}, got a batch of "
-                f"{', '.join(shown)}: its memory was not checked against the budget. Re-plan with that "
+                f"{got}: its memory was not checked against the budget. Re-plan with that "
                 f"batch size, or pass any_batch_size=True to make_train_step to run it anyway")
 
     def __call__(self, *args):
