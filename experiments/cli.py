@@ -224,7 +224,8 @@ def _split_overrides(argv):
             key, eq, value = arg[2:].partition("=")
             if not eq:
                 if i + 1 >= len(argv):
-                    raise SystemExit(f"osdp-jax: error: --{key} needs a value")
+                    print(f"osdp-jax: error: --{key} needs a value, e.g. --{key}=VALUE", file=sys.stderr)
+                    raise SystemExit(2)  # bad input, as argparse's own usage errors
                 value = argv[i + 1]
                 i += 1
             overrides[key] = value

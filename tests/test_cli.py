@@ -100,6 +100,13 @@ def test_bad_config_is_one_clear_line(tmp_path, capsys):
     assert err == "osdp-jax: config error: optim.learning_rat: unknown key; did you mean optim.learning_rate?"
 
 
+def test_an_override_without_a_value_is_one_clear_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["plan", "experiments/gpt2_mini.toml", "--plan.budget"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip() == "osdp-jax: error: --plan.budget needs a value, e.g. --plan.budget=VALUE"
+
+
 def test_infeasible_budget_is_one_clear_line(capsys):
     assert cli.main(["plan", "experiments/gpt2_mini.toml", "--budget", "10KiB", "--plan.batch_sizes=8",
                      "--plan.remat=full", "--plan.splits=1"]) == 2
