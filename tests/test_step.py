@@ -2,6 +2,7 @@
 cross-parameter optimizer), and aux outputs, per-device rng, mutable collections and the eval step
 equal a single-device reference."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
@@ -234,6 +236,30 @@ def test_other_batch_size_is_refused_unless_allowed(mesh):
     with pytest.raises(ValueError, match="made for global batch size 32, got a batch of 16"):
         osdp_jax.make_train_step(loss_fn, opt, plan, mesh)(p, o, toy.tokens(16))
     _, _, loss = osdp_jax.make_train_step(loss_fn, opt, plan, mesh, any_batch_size=True)(p, o, toy.tokens(16))
+    assert np.isfinite(float(loss))
+
+
+def test_a_batch_committed_to_other_devices_is_one_clear_error(mesh):
+    """A batch put on one device (or on the same devices in another order) cannot enter a step
+    on the plan's mesh: one error naming the leaf and jax.device_put(batch,
+    osdp_jax.batch_sharding(mesh, plan)), which then runs; host arrays run as they are."""
+    params, loss_fn = toy.plain_params(layers=1), toy.plain_loss
+    plan = hand_plan(params, mesh, _zero3, 32)
+    opt = optax.sgd(0.1)
+    p = osdp_jax.shard(params, mesh, plan)
+    o = osdp_jax.init_opt_state(opt, p, plan, mesh)
+    step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+    evaluate = osdp_jax.make_eval_step(loss_fn, plan, mesh)
+    tokens = toy.tokens(32)
+    reversed_mesh = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("data",))
+    for placed, ids in ((jax.device_put(tokens, jax.devices()[0]), "[0]"),
+                        (jax.device_put(tokens, NamedSharding(reversed_mesh, P("data"))), "[7, 6, 5, 4, 3, 2, 1, 0]")):
+        for run, what in ((lambda b: step(p, o, b), "train step"), (lambda b: evaluate(p, b), "eval step")):
+            with pytest.raises(ValueError, match=rf"batch leaf '<root>' is committed to devices {re.escape(ids)}, "
+                                                 rf"not to the {what}'s mesh .*osdp_jax.batch_sharding\(mesh, plan\)"):
+                run(placed)
+    assert np.isfinite(float(evaluate(p, np.asarray(tokens))))
+    _, _, loss = step(p, o, jax.device_put(tokens, osdp_jax.batch_sharding(mesh, plan)))
     assert np.isfinite(float(loss))
 
 

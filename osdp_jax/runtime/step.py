@@ -511,16 +511,37 @@ class TrainStep:
     """A jitted train step that refuses donated (deleted) arrays with a clear error.
 
     Calling a jitted function with an array that an earlier call donated fails deep inside jax;
-    this checks the arguments first. ``lower`` is the jitted function's. With ``reuse`` (the
+    this checks the arguments first, and, given the ``mesh``, that no batch leaf is committed to
+    other devices (``jax.device_put(x, jax.devices()[0])``: jax refuses to mix device
+    assignments, naming no fix). ``lower`` is the jitted function's. With ``reuse`` (the
     loss function, optimizer, mesh, layout and options it was made from), a call whose inputs
     match a step compiled earlier in this process (the planner's ``verify="full"`` compile) runs that
     executable instead of compiling again; ``reused`` says whether the last call did.
     """
 
     def __init__(self, jitted, what: str = "train step", batch_size: int | None = None, batch_arg: int = 2,
-                 reuse: tuple | None = None):
+                 reuse: tuple | None = None, mesh=None):
         self._jitted, self._what, self._batch_size, self._batch_arg = jitted, what, batch_size, batch_arg
-        self._reuse, self.reused = reuse, False
+        self._reuse, self.reused, self._mesh = reuse, False, mesh
+
+    def _check_batch_devices(self, args):
+        if self._mesh is None or len(args) <= self._batch_arg:
+            return
+        order = tuple(self._mesh.devices.flat)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[self._batch_arg])[0]:
+            if not (isinstance(leaf, jax.Array) and leaf.committed):
+                continue  # host arrays and uncommitted ones: the step places them
+            sharding = leaf.sharding
+            same = sharding.device_set == set(order) and (
+                not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.devices.flat) == order)
+            if not same:
+                ids = ([d.id for d in sharding.mesh.devices.flat] if isinstance(sharding, NamedSharding)
+                       else sorted(d.id for d in sharding.device_set))
+                raise ValueError(
+                    f"batch leaf {path_name(path) or '<root>'!r} is committed to devices {ids}, not to the "
+                    f"{self._what}'s mesh (devices {[d.id for d in order]}, in that order): place the batch "
+                    f"with jax.device_put(batch, osdp_jax.batch_sharding(mesh, plan)), or pass host (numpy) "
+                    f"or uncommitted arrays, which the step places itself")
 
     def _compiled_for(self, args):
         if self._reuse is None:
@@ -541,6 +562,7 @@ class TrainStep:
 
     def __call__(self, *args):
         self._check_batch_size(args)
+        self._check_batch_devices(args)
         for i, tree in enumerate(args[:2]):
             if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(tree)):
                 name = ("params", "opt_state")[i]
@@ -609,7 +631,7 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
                           microbatches=getattr(plan, "microbatches", 1) if microbatches is None else microbatches)
     step = build_step(loss_fn, optimizer, mesh, plan, options)
     return TrainStep(jit_step(step), "train step", None if any_batch_size else plan.batch_size,
-                     reuse=(loss_fn, optimizer, mesh, plan, options))
+                     reuse=(loss_fn, optimizer, mesh, plan, options), mesh=mesh)
 
 
 def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, state: bool = False):
@@ -648,7 +670,7 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                              check_vma=False)(params, batch, st, key)
 
-    return TrainStep(jax.jit(evaluate), "eval step")
+    return TrainStep(jax.jit(evaluate), "eval step", batch_arg=1, mesh=mesh)
 
 
 # --- compiling without allocating --------------------------------------------------------------
