@@ -137,6 +137,34 @@ def test_a_scalar_or_mismatched_batch_leaf_is_one_clear_error(mesh, setup):
         step(sharded, osdp_jax.init_opt_state(opt, sharded, plan, mesh), {"tokens": tokens, "scale": jnp.float32(2)})
 
 
+def test_params_or_a_mesh_other_than_planned_are_one_clear_error(mesh, setup):
+    """A plan applied to parameters of other shapes, or on a mesh of another device count or
+    without its axes: shard, init_opt_state, abstract_state and the train step each refuse it,
+    naming the parameter or the device counts (other shapes were placed and trained before,
+    on memory the plan never checked, until optax's update failed on the shapes)."""
+    params, opt = setup[0], optax.adam(1e-3)
+    plan = osdp_jax.plan(params, mesh, budget="1GB")
+    grown = {**params, "head": jnp.zeros((params["head"].shape[0], 2 * params["head"].shape[1]))}
+    says = r"parameter 'head' has shape .* but the plan was made for"
+    for call in (lambda: osdp_jax.shard(grown, mesh, plan), lambda: osdp_jax.init_opt_state(opt, grown, plan, mesh),
+                 lambda: osdp_jax.abstract_state(grown, plan, mesh, opt)):
+        with pytest.raises(ValueError, match=says):
+            call()
+    step = osdp_jax.make_train_step(toy.plain_loss, opt, plan, mesh)
+    placed = osdp_jax.shard(params, mesh, plan)
+    opt_state = osdp_jax.init_opt_state(opt, placed, plan, mesh)
+    other = osdp_jax.shard(grown, mesh, osdp_jax.plan(grown, mesh, budget="1GB"))
+    with pytest.raises(ValueError, match=says):
+        step(other, opt_state, toy.tokens(plan.batch_size or 32))
+    four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    for call in (lambda: osdp_jax.shard(params, four, plan), lambda: osdp_jax.init_opt_state(opt, params, plan, four),
+                 lambda: osdp_jax.make_train_step(toy.plain_loss, opt, plan, four)):
+        with pytest.raises(ValueError, match=r"made for 8 data-parallel devices on axes \['data'\], but this mesh has 4"):
+            call()
+    with pytest.raises(ValueError, match=r"shards over mesh axes \['data'\], but the mesh has axes \['batch'\]"):
+        osdp_jax.shard(params, jax.make_mesh((8,), ("batch",)), plan)
+
+
 def test_an_integer_parameter_is_one_clear_error(mesh, setup):
     """An integer leaf among the params (a whole nnx state passed, say) has no gradient: plan and
     make_train_step name it and say what to pass instead, before anything is compiled."""

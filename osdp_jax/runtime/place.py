@@ -24,8 +24,9 @@ def place(params, mesh, layout):
     A layer stack the layout cuts into segments comes back as one ``osdp_jax.Segmented`` per
     parameter (one array per segment); :func:`merge_segments` gives the whole arrays back.
     Parameters already stored in other segments are merged first."""
-    layout = as_layout(layout)
     check_matches(layout, params)
+    check_mesh(layout, mesh)
+    layout = as_layout(layout)
     params = to_storage(_remerge(params, layout), layout)
     specs = spec_tree(params, layout)
 
@@ -89,6 +90,21 @@ def cut_segments(tree, target):
     return jax.tree.map(one, tree, target, is_leaf=is_segmented)
 
 
+def check_mesh(plan, mesh) -> None:
+    """A ``ValueError`` unless ``mesh`` has the data-parallel axes ``plan`` shards over, of the
+    device count it was planned for (a ``Layout`` names its axes only)."""
+    axes = as_layout(plan).axes
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"the plan shards over mesh axes {list(axes)}, but the mesh has axes "
+                         f"{list(mesh.axis_names)}: use the mesh the plan was made for, or plan for this one")
+    n, have = getattr(plan, "num_devices", None), axes_size(mesh, axes)
+    if n is not None and n != have:
+        raise ValueError(f"the plan was made for {n} data-parallel devices on axes {list(axes)}, but this mesh "
+                         f"has {have}: its memory was checked for {n}. Plan again for this mesh "
+                         f"(osdp_jax.plan(params, mesh, ...))")
+
+
 def check_matches(layout, params) -> None:
     """A ``ValueError`` unless ``params`` are what ``layout`` was made for (a ``Plan`` checks
     shapes too; a ``Layout`` the parameter paths)."""
@@ -110,6 +126,8 @@ def init_opt_state(optimizer, params, plan, mesh):
 
     The state is created directly in place (``jit`` with ``out_shardings``), never gathered.
     """
+    check_matches(plan, params)
+    check_mesh(plan, mesh)
     layout = as_layout(plan)
     params = to_storage(params, layout)
     abstract = jax.eval_shape(optimizer.init, params)
@@ -126,8 +144,9 @@ def abstract_state(params, plan, mesh, optimizer=None):
     nothing is allocated. ``params`` may be arrays or ``ShapeDtypeStruct``s (any tree type);
     ``opt_state`` is None without an ``optimizer``.
     """
+    check_matches(plan, params)
+    check_mesh(plan, mesh)
     layout = as_layout(plan)
-    check_matches(layout, params)
     whole = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params, is_leaf=is_segmented)
     params = to_storage(whole, layout)
     p_specs = spec_tree(params, layout)

@@ -47,7 +47,7 @@ from .context import SplitEntry, StepContext, active
 from .hooks import wrap_tree
 from .interception import intercepting
 from .stack import SegmentRun, StackView
-from .place import abstract_args
+from .place import abstract_args, check_matches, check_mesh
 
 
 def check_batch_leaves(batch) -> int:
@@ -389,11 +389,14 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
     optimizer state gets bit-identical values (XLA computes replicated elementwise updates the
     same way on every device; the one cross-device sum, the norm, is an all-reduce).
     """
+    planned = layout
+    check_mesh(planned, mesh)
     layout = as_layout(layout)
     axes = layout.axes
     _check_splits(layout)
 
     def step(params, opt_state, batch, *extra):
+        check_matches(planned, params)  # at trace time: a Plan's shapes, a Layout's paths
         n = axes_size(mesh, axes)
         check_batch(batch, n)
         extra = list(extra)
