@@ -115,7 +115,18 @@ def map_state_params(optimizer, f, state, *rest, **kwargs):
     XLA's first compiles for them in the planner's main thread (2.8 s of gpt2-mini's first cold
     plan). What ``init`` returns only marks where the params are; ``f`` and
     ``transform_non_params`` get the leaves of ``state`` and ``rest``, so nothing traced is
-    returned."""
+    returned.
+
+    Where a masked transformation (``optax.masked``, ``optax.multi_transform``: parameters frozen
+    or trained by another optimizer) holds no state for a parameter, its state has an
+    ``optax.MaskedNode``: kept as it is, ``f`` not called there."""
+    is_leaf = kwargs.pop("is_leaf", None)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+
+    def g(x, *r):
+        return x if masked(x) else f(x, *r)
+
+    leaf = masked if is_leaf is None else (lambda x: masked(x) or is_leaf(x))
     out = []
-    jax.eval_shape(lambda: out.append(optax.tree_map_params(optimizer, f, state, *rest, **kwargs)))
+    jax.eval_shape(lambda: out.append(optax.tree_map_params(optimizer, g, state, *rest, is_leaf=leaf, **kwargs)))
     return out[0]

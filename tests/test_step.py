@@ -312,3 +312,26 @@ def test_abstract_state_is_what_orbax_restores_onto(mesh, tmp_path):
     for a, b in zip(jax.tree.leaves((back["params"], back["opt_state"])), jax.tree.leaves((p, o))):
         assert a.sharding.is_fully_replicated
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_optimizers_that_mask_parameters_plan_and_train_like_one_device(mesh):
+    """optax.multi_transform with a frozen parameter (``set_to_zero``: its state is an
+    optax.MaskedNode) and adamw's masked weight decay: the planner counts no state for the
+    frozen parameter, every parameter sharded trains like one device, and the frozen one stays
+    as it was (the masked state's MaskedNode failed a tree_map against the parameters' specs)."""
+    from osdp_jax._cost import optimizer_bytes
+    params, loss_fn, batch = toy.plain_params(layers=1), toy.plain_loss, toy.tokens(32)
+    labels = {k: jax.tree.map(lambda _: "frozen" if k == "emb" else "train", v) for k, v in params.items()}
+    freeze = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+    decay = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
+    names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    per_leaf, _ = optimizer_bytes(freeze, params)
+    assert per_leaf[names.index("['emb']")] == 0 and per_leaf[names.index("['head']")] > 0
+    for optimizer in (freeze, decay):
+        plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=optimizer)
+        assert plan.xla_peak_bytes <= plan.budget_bytes
+        layout = osdp_jax.Layout.fsdp(params, mesh)
+        losses, sharded, _ = toy.sharded_run(params, loss_fn, optimizer, layout, mesh, batch, 3)
+        toy.assert_matches_single_device(losses, sharded, params, loss_fn, optimizer, batch, rtol=1e-5)
+    losses, sharded, _ = toy.sharded_run(params, loss_fn, freeze, layout, mesh, batch, 2)
+    np.testing.assert_array_equal(np.asarray(sharded["emb"]), np.asarray(params["emb"]))
