@@ -316,7 +316,7 @@ def test_abstract_state_is_what_orbax_restores_onto(mesh, tmp_path):
 
 def test_optimizers_that_mask_parameters_plan_and_train_like_one_device(mesh):
     """optax.multi_transform with a frozen parameter (``set_to_zero``: its state is an
-    optax.MaskedNode) and adamw's masked weight decay: the planner counts no state for the
+    optax.MaskedNode), adamw's masked weight decay, and optax.MultiSteps: the planner counts no state for the
     frozen parameter, every parameter sharded trains like one device, and the frozen one stays
     as it was (the masked state's MaskedNode failed a tree_map against the parameters' specs)."""
     from osdp_jax._cost import optimizer_bytes
@@ -327,7 +327,7 @@ def test_optimizers_that_mask_parameters_plan_and_train_like_one_device(mesh):
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     per_leaf, _ = optimizer_bytes(freeze, params)
     assert per_leaf[names.index("['emb']")] == 0 and per_leaf[names.index("['head']")] > 0
-    for optimizer in (freeze, decay):
+    for optimizer in (freeze, decay, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)):
         plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=optimizer)
         assert plan.xla_peak_bytes <= plan.budget_bytes
         layout = osdp_jax.Layout.fsdp(params, mesh)
