@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._describe import describe, map_state_params, path_name
@@ -360,10 +361,16 @@ def to_storage(params, layout: Layout):
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_segmented)
 
 
-def opt_state_specs(optimizer, abstract_state, param_specs):
-    """Specs for the optimizer state: param-shaped parts follow the params, the rest replicate
-    (the optimizer's ``init`` traced, not run: ``_describe.map_state_params``)."""
-    return map_state_params(optimizer, lambda _, spec: spec, abstract_state, param_specs,
+def opt_state_specs(optimizer, abstract_state, param_specs, params):
+    """Specs for the optimizer state: param-shaped parts follow the params (``param_specs``),
+    the rest replicate (the optimizer's ``init`` traced, not run: ``_describe.map_state_params``).
+    A leaf where a parameter's state sits but of another shape than the parameter (``params``,
+    the stored parameters or their shapes) is replicated too: ``optax.adafactor`` keeps a row
+    and a column vector per matrix, and a ``(1,)`` placeholder per vector, in its place."""
+    def follow(x, spec, p):
+        return spec if tuple(x.shape) == tuple(np.shape(p)) else P()
+
+    return map_state_params(optimizer, follow, abstract_state, param_specs, params,
                             transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
 

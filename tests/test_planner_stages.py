@@ -410,7 +410,7 @@ def test_the_optimizer_state_specs_and_bytes_trace_the_optimizers_init_and_run_n
     params = {"w": jax.ShapeDtypeStruct((8, 4), np.float32), "b": jax.ShapeDtypeStruct((4,), np.float32)}
     state = jax.eval_shape(optimizer.init, params)
     seen.clear()
-    specs = opt_state_specs(optimizer, state, {"w": P("data", None), "b": P()})
+    specs = opt_state_specs(optimizer, state, {"w": P("data", None), "b": P()}, params)
     assert seen == [True]  # traced once, never run
     assert specs[0]["count"] == P() and specs[0]["mu"] == {"w": P("data", None), "b": P()}
     adam = specs[1][0]

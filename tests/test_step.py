@@ -314,11 +314,13 @@ def test_abstract_state_is_what_orbax_restores_onto(mesh, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_optimizers_that_mask_parameters_plan_and_train_like_one_device(mesh):
+def test_optimizers_that_mask_parameters_or_factor_their_state_plan_and_train_like_one_device(mesh):
     """optax.multi_transform with a frozen parameter (``set_to_zero``: its state is an
-    optax.MaskedNode), adamw's masked weight decay, and optax.MultiSteps: the planner counts no state for the
+    optax.MaskedNode), adamw's masked weight decay, optax.MultiSteps, and optax.adafactor (a row
+    and a column vector per matrix where the state of a parameter sits, replicated): the planner counts no state for the
     frozen parameter, every parameter sharded trains like one device, and the frozen one stays
-    as it was (the masked state's MaskedNode failed a tree_map against the parameters' specs)."""
+    as it was (the masked state's MaskedNode failed a tree_map against the parameters' specs,
+    and adafactor's vectors were given their matrices' specs)."""
     from osdp_jax._cost import optimizer_bytes
     params, loss_fn, batch = toy.plain_params(layers=1), toy.plain_loss, toy.tokens(32)
     labels = {k: jax.tree.map(lambda _: "frozen" if k == "emb" else "train", v) for k, v in params.items()}
@@ -327,7 +329,7 @@ def test_optimizers_that_mask_parameters_plan_and_train_like_one_device(mesh):
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     per_leaf, _ = optimizer_bytes(freeze, params)
     assert per_leaf[names.index("['emb']")] == 0 and per_leaf[names.index("['head']")] > 0
-    for optimizer in (freeze, decay, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)):
+    for optimizer in (freeze, decay, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), optax.adafactor(1e-2)):
         plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=optimizer)
         assert plan.xla_peak_bytes <= plan.budget_bytes
         layout = osdp_jax.Layout.fsdp(params, mesh)

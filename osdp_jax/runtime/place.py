@@ -131,7 +131,7 @@ def init_opt_state(optimizer, params, plan, mesh):
     layout = as_layout(plan)
     params = to_storage(params, layout)
     abstract = jax.eval_shape(optimizer.init, params)
-    specs = opt_state_specs(optimizer, abstract, state_spec_tree(params, layout, axes_size(mesh, layout.axes)))
+    specs = opt_state_specs(optimizer, abstract, state_spec_tree(params, layout, axes_size(mesh, layout.axes)), params)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
@@ -160,7 +160,7 @@ def abstract_state(params, plan, mesh, optimizer=None):
         return params_t, None
     opt_state = jax.eval_shape(optimizer.init, abstract)
     t_specs = state_spec_tree(params, layout, axes_size(mesh, layout.axes))
-    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, t_specs))
+    return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, t_specs, abstract))
 
 
 def batch_sharding(mesh, plan) -> NamedSharding:
