@@ -256,10 +256,15 @@ def load(path, overrides: dict[str, str] | None = None) -> ExperimentConfig:
 
 
 def _parse_text(where: str, text: str, typ):
-    """A command-line value as ``typ``: numbers and bools parsed, tuples comma-separated."""
+    """A command-line value as ``typ``: numbers and bools parsed, tuples comma-separated (``2,4``),
+    or written as in TOML (``[2, 4]``, ``["hsdp", "zero3"]``)."""
     if typing.get_origin(typ) is tuple:
         (item,) = {a for a in typing.get_args(typ) if a is not Ellipsis}
-        return [_parse_text(where, t.strip(), item) for t in text.split(",") if t.strip()]
+        inner = text.strip()
+        if inner.startswith("[") and inner.endswith("]"):
+            inner = inner[1:-1]
+        items = [t.strip().strip("'\"").strip() for t in inner.split(",")]
+        return [_parse_text(f"{where} (a comma-separated list, e.g. 2,4)", t, item) for t in items if t]
     try:
         if typ is int:
             return int(text)

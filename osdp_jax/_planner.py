@@ -131,6 +131,11 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if o.loss_fn is not None:
         o = dataclasses.replace(o, loss_fn=PlainLoss.of(o.loss_fn, o.has_aux, o.rng, o.state))
     strategies, splits, axes = check_strategies(o.strategies), check_splits(o.splits), data_axes(mesh, o.axis)
+    if "hsdp" in strategies and len(axes) < 2 and not set(strategies) - {"hsdp", "replicate"}:
+        raise ValueError(f"strategy 'hsdp' needs two or more data-parallel mesh axes (sharded inside the last, "
+                         f"replicated across the others); this mesh's are {list(axes)}, so every parameter would "
+                         f"be replicated. Use a 2-D mesh, e.g. jax.make_mesh((2, 4), ('node', 'data')), or "
+                         f"strategies=('zero3',)")
     if o.verify not in (True, False, "figures", "full"):
         raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
                          f"(compile the step training then runs) or False (trust the model), got {o.verify!r}")

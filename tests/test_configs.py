@@ -66,3 +66,8 @@ def test_overrides_are_typed(tmp_path):
         config.load(path, {"train.stepz": "7"})
     with pytest.raises(ConfigError, match=r"--train\.steps: expected int, got 'x'"):
         config.load(path, {"train.steps": "x"})
+    # lists as TOML writes them too
+    cfg = config.load(path, {"plan.batch_sizes": "[16, 32]", "plan.strategies": '["zero3", "hsdp"]'})
+    assert cfg.plan.batch_sizes == (16, 32) and cfg.plan.strategies == ("zero3", "hsdp")
+    with pytest.raises(ConfigError, match=r"--mesh\.shape \(a comma-separated list, e\.g\. 2,4\): expected int, got 'x'"):
+        config.load(path, {"mesh.shape": "2,x"})

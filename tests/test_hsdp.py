@@ -133,3 +133,12 @@ def test_split_hsdp_kernel_equals_unsplit(mesh2d):
                                                                               dense={"w"})))
         _, grads[k], _ = step(params, keep.init(params), x)
     np.testing.assert_allclose(np.asarray(grads[4]["w"]), np.asarray(grads[1]["w"]), rtol=1e-5, atol=1e-7)
+
+
+def test_hsdp_alone_on_a_one_axis_mesh_is_one_clear_error(mesh):
+    """hsdp needs an inner and an outer data-parallel axis: asked for alone on a 1-D mesh it would
+    replicate everything, so plan says so; in a list with zero3 (as by default) it is left out."""
+    params = toy.plain_params(layers=1)
+    with pytest.raises(ValueError, match=r"strategy 'hsdp' needs two or more data-parallel mesh axes.*\['data'\]"):
+        osdp_jax.plan(params, mesh, budget="1GB", strategies=("hsdp",))
+    assert osdp_jax.plan(params, mesh, budget="1GB", strategies=("zero3", "hsdp")).batch_size is None
