@@ -142,6 +142,16 @@ def _find(loss_fn, params, batch) -> Found:
             "once. If they are a stack of layers, run it with osdp_jax.layers.Stack (linen), "
             "osdp_jax.layers.NnxStack (nnx) or osdp_jax.layers.scan to gather one layer at a time and plan "
             "per layer", len(names), ", ".join(names[:3]))
+    units = {name for _, name, _ in ctx.recorded_units}
+    hidden = sorted(set(ctx.recorded_hidden) - units)
+    hidden = [h for h in hidden if not any(h.startswith(o + "/") for o in hidden)]  # the outermost
+    if hidden:
+        log.warning(
+            "osdp_jax: %d submodule(s) get their parameters through a Flax lifted transform of the model's own "
+            "(nn.remat, nn.vmap, ...), e.g. %s: they cannot be units (gathered at each call), so a sharded "
+            "weight of theirs is gathered once per step. A unit already runs under jax.checkpoint (plan(unit_remat=), "
+            "\"full\" by default, as nn.remat): drop the transform around them to let the planner make them units",
+            len(hidden), ", ".join(hidden[:3]))
     return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved),
                  fingerprint(closed, jax.tree.structure(out), *found), frozenset(looped))
 

@@ -489,3 +489,40 @@ def test_a_shared_call_whose_key_cannot_be_hashed_is_a_plain_call():
         out = jax.jit(lambda t, x: f(t, x) + f(t, x))(jnp.full(2, 2.0), jnp.full(2, 3.0))
     np.testing.assert_array_equal(np.asarray(out), [12.0, 12.0])
     assert len(calls) == 2 and ctx.shared == {}
+
+
+def test_submodules_under_the_models_own_nn_remat_are_named_in_one_warning(caplog):
+    """Under nn.remat a block's parameters are the transform's values, not the params: it cannot
+    be a unit, and discovery says so once, naming the outermost blocks and the fix (drop the
+    nn.remat: a unit runs under jax.checkpoint already). Without it the blocks are unit call
+    sites and nothing is said."""
+    from flax import linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(16)(jnp.tanh(nn.Dense(32)(x)))
+
+    def model(remat):
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                for i in range(3):
+                    x = (nn.remat(Block) if remat else Block)(name=f"block_{i}")(x)
+                return x.mean()
+        return Net()
+
+    x = jnp.ones((16, 16))
+    for remat in (True, False):
+        net = model(remat)
+        params = net.init(jax.random.key(0), x)["params"]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="osdp_jax"):
+            found = osdp_jax._discover.find(lambda p, b: net.apply({"params": p}, b), params, x)
+        said = [r.getMessage() for r in caplog.records if "lifted transform" in r.getMessage()]
+        sites = {name for _, name, _ in found.units}
+        if remat:
+            assert len(said) == 1 and "3 submodule(s)" in said[0] and "e.g. block_0, block_1, block_2" in said[0]
+            assert "drop the transform" in said[0] and not sites & {"block_0", "block_1", "block_2"}
+        else:
+            assert not said and {"block_0", "block_1", "block_2"} <= sites

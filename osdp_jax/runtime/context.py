@@ -114,6 +114,9 @@ class StepContext:
     recorded_units: list = dataclasses.field(default_factory=list)  # discovery: (kind, name, paths) per call
     recorded_saved: dict = dataclasses.field(default_factory=dict)  # discovery: unit site -> saved activation bytes
     shared: dict = dataclasses.field(default_factory=dict)  # unit call site key -> its jitted call (runtime.units.shared)
+    param_shapes: dict = dataclasses.field(default_factory=dict)  # discovery: path -> shape of each parameter
+    recorded_hidden: list = dataclasses.field(default_factory=list)  # discovery: linen call sites whose parameters
+    #                                                                  reach them only through a lifted transform
 
     def wrap(self, array, path: str):
         """What the model gets for parameter ``path``: a :class:`SplitKernel` if the plan splits it
@@ -122,6 +125,7 @@ class StepContext:
         if self.recording:
             # keep the array itself: its id must not be reused while the context lives
             self.kernels[id(array)] = (array, path)
+            self.param_shapes[path] = tuple(getattr(array, "shape", ()))
             return array
         entry = self.split.get(path)
         if entry is None:

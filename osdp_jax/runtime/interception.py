@@ -103,8 +103,8 @@ def _linen_unit(module, method: str, args, kwargs):
         return _NOT_A_UNIT
     name = "/".join(module.scope.path)
     if ctx.recording:
-        if "params" in module.variables:
-            units.record("linen", name, module.variables["params"])
+        if "params" in module.variables and units.record("linen", name, module.variables["params"]) is None:
+            units.record_hidden(name, module.variables["params"])  # under a lifted transform of the model's
         return _NOT_A_UNIT
     if name not in ctx.units.values():
         return _NOT_A_UNIT

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from .._describe import path_name
 from .._stack import GATHERED_NAME, remat_policy
 from .._unit_policy import common_prefix
 from .collectives import gather
@@ -96,6 +97,18 @@ def record(kind: str, name: str | None, tree) -> str | None:
     name = name or common_prefix(paths)
     ctx.recorded_units.append((kind, name, paths))
     return name
+
+
+def record_hidden(name: str, tree) -> None:
+    """During discovery, note a linen call site ``name`` whose parameters ``tree`` are not the
+    params themselves but are shaped as the params at its path: values a Flax lifted transform of
+    the model's own (``nn.remat``, ``nn.vmap``) made of them, which no unit can gather."""
+    ctx = ACTIVE.get()
+    if ctx is None or not ctx.recording:
+        return
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if flat and all(ctx.param_shapes.get(f"{name}/{path_name(p)}") == tuple(jnp.shape(x)) for p, x in flat):
+        ctx.recorded_hidden.append(name)
 
 
 def measure(name: str | None, tree, fn, args, kwargs) -> None:
