@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from ._describe import path_name, strip_boxes
+from ._describe import flat_params, strip_boxes
 from .runtime.context import StepContext, active
 from .runtime.hooks import wrap_tree
 from .runtime.interception import intercepting
@@ -38,8 +38,6 @@ class Found(NamedTuple):
     units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
     saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
     fingerprint: str = ""  # the loss's (:func:`fingerprint`)
-    looped: frozenset = frozenset()  # paths of parameters a loop of the user's own slices per iteration
-    #                                  (:func:`looped_params`; not layers.scan's)
 
 
 log = logging.getLogger("osdp_jax")
@@ -131,8 +129,7 @@ def _find(loss_fn, params, batch) -> Found:
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
     found = (sorted(ctx.recorded_loop), sorted(ctx.recorded_split), stacks, tuple(ctx.recorded_units),
              sorted(ctx.recorded_saved.items(), key=repr))
-    paths = [path_name(k) for k, _ in jax.tree_util.tree_flatten_with_path(strip_boxes(params))[0]]
-    looped = looped_params(closed.jaxpr, paths) - set(ctx.recorded_loop)
+    looped = looped_params(closed.jaxpr, list(flat_params(params))) - set(ctx.recorded_loop)
     if looped:
         names = sorted(looped)
         log.warning(
@@ -153,7 +150,7 @@ def _find(loss_fn, params, batch) -> Found:
             "\"full\" by default, as nn.remat): drop the transform around them to let the planner make them units",
             len(hidden), ", ".join(hidden[:3]))
     return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved),
-                 fingerprint(closed, jax.tree.structure(out), *found), frozenset(looped))
+                 fingerprint(closed, jax.tree.structure(out), *found))
 
 
 _PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims", "transpose"}

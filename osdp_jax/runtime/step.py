@@ -525,17 +525,19 @@ class TrainStep:
     def __init__(self, jitted, what: str = "train step", batch_size: int | None = None, batch_arg: int = 2,
                  reuse: tuple | None = None, mesh=None):
         self._jitted, self._what, self._batch_size, self._batch_arg = jitted, what, batch_size, batch_arg
-        self._reuse, self.reused, self._mesh = reuse, False, mesh
+        self._reuse, self.reused = reuse, False
+        self._devices = None if mesh is None else tuple(mesh.devices.flat)  # the mesh's device order, once
+        self._device_set = None if mesh is None else set(self._devices)
 
     def _check_batch_devices(self, args):
-        if self._mesh is None or len(args) <= self._batch_arg:
+        if self._devices is None or len(args) <= self._batch_arg:
             return
-        order = tuple(self._mesh.devices.flat)
+        order = self._devices
         for path, leaf in jax.tree_util.tree_flatten_with_path(args[self._batch_arg])[0]:
             if not (isinstance(leaf, jax.Array) and leaf.committed):
                 continue  # host arrays and uncommitted ones: the step places them
             sharding = leaf.sharding
-            same = sharding.device_set == set(order) and (
+            same = sharding.device_set == self._device_set and (
                 not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.devices.flat) == order)
             if not same:
                 ids = ([d.id for d in sharding.mesh.devices.flat] if isinstance(sharding, NamedSharding)
