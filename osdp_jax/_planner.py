@@ -19,7 +19,7 @@ import optax
 from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices,
                            probe_requests, step_split_bytes, step_split_probe, uncalibrated)
 from ._cost import cost_tables, optimizer_bytes
-from ._describe import unboxed_treedef
+from ._describe import check_optimizer, unboxed_treedef
 from ._gc import paused
 from ._hardware import default_hardware, resolve_hardware
 from ._layout import check_dtype, whole_spec
@@ -144,11 +144,12 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     hw = resolve_hardware(o.hardware, mesh)
     budget = parse_bytes(o.budget) if o.budget is not None else hw.memory_bytes
     optimizer = _optimizer(o.optimizer)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     batches = _batches(o.loss_fn, o.batch, o.batch_sizes, axes_size(mesh, axes))
     problem = build_problem(params, mesh, axes, strategies, splits, o.loss_fn,
                             None if o.batch is None else batches[min(batches)], o.units, o.unit_remat,
                             check_dtype(o.compute_dtype))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    check_optimizer(optimizer, abstract)
     problem = _step_splits_worth_probing(problem, budget)
     calibrator = o.calibrator or XlaCalibrator(o.loss_fn, optimizer, abstract, mesh, default_hardware(mesh).memory_bytes)
     one = functools.partial(_plan_problem, o=o, params=params, mesh=mesh, hw=hw, budget=budget, optimizer=optimizer,

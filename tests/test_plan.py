@@ -179,6 +179,31 @@ def test_an_integer_parameter_is_one_clear_error(mesh, setup):
         step(params, optax.adam(1e-3).init(params), toy.tokens(16))
 
 
+def test_a_python_scalar_parameter_is_one_clear_error(mesh, setup):
+    """A Python float among the params is named, with the fix, before anything is traced."""
+    params = {**setup[0], "scale": 1.0}
+    with pytest.raises(TypeError, match=r"params leaf 'scale' is a float, not an array .*jnp.asarray"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss, batch=toy.tokens(16))
+
+
+def test_an_optimizer_the_step_cannot_call_is_one_clear_error(mesh, setup):
+    """optax.lbfgs's update needs the loss's value, gradient and function, which the train step's
+    ``update(grads, state, params)`` does not pass; a non-optax object has no ``update``. Both are
+    named by ``plan`` and ``init_opt_state`` before anything is compiled."""
+    params = setup[0]
+    lbfgs = r"cannot be called as the train step calls it.*'value', 'grad', and 'value_fn'.*optax.lbfgs"
+    with pytest.raises(ValueError, match=lbfgs):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=toy.plain_loss, batch=toy.tokens(16),
+                      optimizer=optax.lbfgs())
+    layout = osdp_jax.Layout.ddp(params, mesh)
+    with pytest.raises(ValueError, match=lbfgs):
+        osdp_jax.init_opt_state(optax.lbfgs(), params, layout, mesh)
+    with pytest.raises(ValueError, match=r"optimizer must be an optax.GradientTransformation .*got function"):
+        osdp_jax.plan(params, mesh, budget="1GB", optimizer=optax.adam)
+    # an optimizer the step can call still plans: MultiSteps (a class, not a NamedTuple) included
+    assert osdp_jax.plan(params, mesh, budget="1GB", optimizer=optax.MultiSteps(optax.adam(1e-3), 2)).specs
+
+
 def test_without_loss_fn_plans_states_only(mesh, setup):
     params = setup[0]
     total = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._describe import describe, path_name
+from .._describe import check_optimizer, describe, path_name
 from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, state_spec_tree, to_storage
 from .._stack import held_fraction, is_segmented, merge
 from .._strategies import axes_size, axis_entry
@@ -128,6 +128,7 @@ def init_opt_state(optimizer, params, plan, mesh):
     """
     check_matches(plan, params)
     check_mesh(plan, mesh)
+    check_optimizer(optimizer, params)
     layout = as_layout(plan)
     params = to_storage(params, layout)
     abstract = jax.eval_shape(optimizer.init, params)
