@@ -336,7 +336,8 @@ def _main(argv=None):
         import osdp_jax
         # one folder per process: concurrent writers are not supported
         sub = f"process-{args.process_id}" if processes else ""
-        osdp_jax.enable_compilation_cache(os.path.join(os.path.expanduser(cfg.plan.compilation_cache), sub))
+        osdp_jax.enable_compilation_cache(os.path.join(os.path.expanduser(cfg.plan.compilation_cache), sub),
+                                          probes=cfg.plan.probe_store)
     if processes:
         from .distributed import DistributedError, initialize
         try:

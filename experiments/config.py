@@ -55,6 +55,7 @@ class PlanConfig:
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
+    probe_store: bool = True  # also keep the planner's probe figures in compilation_cache/probes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -285,8 +285,9 @@ def reusable_plan(s: Setup, point: ResumePoint | None) -> osdp_jax.Plan | None:
     if point is None or "plan" not in point.meta or "config" not in point.meta:
         return None
 
-    def plan_inputs(cfg: dict) -> dict:  # where compiles are cached does not change the plan
-        return {k: {f: v for f, v in cfg.get(k, {}).items() if f != "compilation_cache"} for k in _PLAN_SECTIONS}
+    def plan_inputs(cfg: dict) -> dict:  # where compiles and probe figures are kept does not change the plan
+        return {k: {f: v for f, v in cfg.get(k, {}).items() if f not in ("compilation_cache", "probe_store")}
+                for k in _PLAN_SECTIONS}
 
     if plan_inputs(to_dict(s.cfg)) != plan_inputs(point.meta["config"]):
         return None

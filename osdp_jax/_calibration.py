@@ -28,6 +28,7 @@ import numpy as np
 
 from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._describe import describe
+from . import _probe_store
 from ._discover import _signature, clear_found
 from ._search import clear_kept
 from ._problem import Problem
@@ -134,10 +135,22 @@ def compile_threads() -> int:
                       else os.cpu_count() or 1))
 
 
+def _kept(key):
+    """``(StepProfile, seconds)`` kept for the probe ``key``: in this process, or else on disk
+    (``_probe_store``, then kept in the process too); None if neither has it."""
+    if key not in _PROBES:
+        prof = _probe_store.load(key)
+        if prof is None:
+            return None
+        _PROBES[key] = (prof, None)
+    return _PROBES[key]
+
+
 def clear_probe_cache() -> None:
     """Forget every probe figure this process has compiled (``XlaCalibrator(cache=True)``), and the
     pool overlaps, unit scales and error margins fitted on compiled plans, and what tracing each
-    loss found (``_discover.find``), and the searches kept (``_search``)."""
+    loss found (``_discover.find``), and the searches kept (``_search``). Figures kept on disk
+    (``_probe_store``, when enabled) stay there, and are read again."""
     _PROBES.clear()
     clear_found()
     clear_kept()
@@ -215,7 +228,7 @@ class XlaCalibrator:
                 key = self._key(self._layout(problem, kind, splits), batch, timed, problem.fingerprint)
                 if key is None:
                     return 0
-                if key not in _PROBES and key not in seen:
+                if _kept(key) is None and key not in seen:
                     seen.add(key)
                     jobs.append((problem, kind, batch, splits, timed))
         n0 = self.compiles
@@ -234,7 +247,7 @@ class XlaCalibrator:
         for i, (problem, kind, batch, splits, timed) in enumerate(jobs):
             layout = self._layout(problem, kind, splits)
             key = self._key(layout, batch, timed, problem.fingerprint) if self.cache else None
-            if key is not None and key in _PROBES:
+            if key is not None and _kept(key) is not None:
                 self.cached += 1
                 yield i, self._done(kind, batch, key, *_PROBES[key])
             else:
@@ -255,8 +268,9 @@ class XlaCalibrator:
 
     def _done(self, kind, batch, key, prof, seconds):
         self._record(kind, batch, prof, seconds)
-        if key is not None:
+        if key is not None and key not in _PROBES:
             _PROBES[key] = (prof, seconds)
+            _probe_store.save(key, prof)  # a timed probe's is not kept on disk
         return prof, seconds
 
     def _record(self, kind, batch, prof, seconds):

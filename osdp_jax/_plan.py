@@ -97,6 +97,7 @@ class Plan:
     compile_seconds: float = 0.0  # of which compiling probe and verification steps (wall clock: compiles
     #                                 running at once on worker threads count once)
     compiles: int = 0  # XLA compiles that planning ran
+    probes_read: int = 0  # probe figures read from disk (osdp_jax._probe_store) instead of traced and compiled
     unit_remat: str = "full"  # the remat policy units run under (osdp_jax.units)
     pool_overlap: float = 0.0  # the cost model's pool overlap omega (_cost), fitted on a compiled plan
     unit_scale: float = 1.0  # the units' temp savings scaled by it (_cost), refitted on a compiled plan
@@ -248,7 +249,8 @@ class Plan:
             f"{(self.predicted_collective_seconds or 0.0) * 1e3:.2f} ms collectives), {sps:.1f} samples/s"
             if sps is not None else "predicted throughput: - (no loss_fn/batch given)",
             f"planning: {self.planning_seconds:.1f} s, of which {self.compiles} compiles {self.compile_seconds:.1f} s "
-            f"and search {self.search_seconds:.3f} s",
+            f"and search {self.search_seconds:.3f} s"
+            + (f"; {self.probes_read} probes read from the probe store" if self.probes_read else ""),
         ]
         return "\n".join(lines)
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import optax
 
+from . import _probe_store
 from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices,
                            probe_requests, step_split_bytes, step_split_probe, uncalibrated)
 from ._cost import cost_tables, optimizer_bytes
@@ -162,7 +163,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     # with the default unit policy's units, also without them: a unit saves memory for one more
     # gather (and, under the default "full" unit remat, its forward pass again)
     problems = [problem] if o.units is not None or not problem.units else [problem, dataclasses.replace(problem, units={})]
-    n0, s0 = compile_count(), compile_seconds()
+    n0, s0, r0 = compile_count(), compile_seconds(), _probe_store.reads()
     if len(problems) > 1 and o.loss_fn is not None and 1 in counts and hasattr(calibrator, "compile_all"):
         # both problems' probes in one batch on the compile threads (each problem's calibrate then
         # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the other
@@ -175,7 +176,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
-                               compile_seconds=compile_seconds() - s0)
+                               compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
 
 
 def _fastest(runs, o: PlanOptions) -> Plan:

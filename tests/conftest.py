@@ -5,7 +5,8 @@ starts (as on CI) and removed at its end: the workers and the CLI processes the 
 it, the CLI's default cache (``plan.compilation_cache``, under ``~``) included, so the suite
 writes nothing under the user's home, and steps compiled again in a later test (the same probes
 of a model, a plan planned again) are read back (README, *Two commands*: the suite's time with and
-without it). On XLA:CPU, executables loaded from the cache sometimes ran their collectives in
+without it). The planner's probe store (``enable_compilation_cache(probes=True)``) stays off in the
+test processes. On XLA:CPU, executables loaded from the cache sometimes ran their collectives in
 another execution's rendezvous (5 of 42 runs of the opt-mini segment test in three parallel
 processes gave NaN losses or aborted with "Check failed: id < num_threads" in rendezvous.h; 0 of
 21 without it): the gpt2-mini and opt-mini cases of that test run with the slow tests (README,
@@ -54,7 +55,9 @@ import pytest  # noqa: E402
 import osdp_jax  # noqa: E402
 from experiments.config import PlanConfig  # noqa: E402
 
-osdp_jax.enable_compilation_cache(PlanConfig.compilation_cache)  # the CLI's default folder, under this home
+# the CLI's default folder, under this home; probe figures kept in the process only, so that a
+# test's compile counts do not depend on which tests planned the same probes before it
+osdp_jax.enable_compilation_cache(PlanConfig.compilation_cache, probes=False)
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -63,6 +66,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 def mesh():
     """An 8-device data-parallel mesh in Auto mode."""
     return jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.fixture(autouse=True)
+def _no_probe_store():
+    """No test leaves the probe store on for the next (``cli.main`` run in the test's process turns
+    it on, as the CLI does; tests of the store turn it on themselves)."""
+    from osdp_jax import _probe_store
+    yield
+    _probe_store.disable()
 
 
 @pytest.fixture

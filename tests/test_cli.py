@@ -139,7 +139,9 @@ def test_compare_mini(tmp_path):
 
 def test_compilation_cache_config_key(tmp_path):
     """plan.compilation_cache: the CLI's compiles (probes and the verified step) land in that
-    folder; a second plan reads them back and adds none."""
+    folder, and the probes' figures in its probes/ folder; a second plan, a new process, reads
+    the probes' figures back (neither traced nor compiled), compiles only the verified step, which
+    it reads back too, and adds nothing."""
     import os
     import subprocess
     import sys
@@ -150,11 +152,19 @@ def test_compilation_cache_config_key(tmp_path):
     for run in range(2):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        entries = sorted(p.name for p in cache.iterdir())
+        entries = sorted(p.relative_to(cache) for p in cache.rglob("*"))
+        plan = json.loads((tmp_path / "p" / "plan.json").read_text())
         if run == 0:
-            first = entries
+            first, cold = entries, plan
             assert len(first) >= 3, first  # two probes and the verification compile, at least
+            probes = len(list((cache / "probes").glob("*.json")))
+            assert probes >= 2 and plan["probes_read"] == 0
     assert entries == first  # the second plan compiled nothing new
+    # every probe read back; the chosen plan verified again as the cold plan verified it
+    assert plan["probes_read"] == probes and plan["compiles"] == cold["compiles"] - probes
+    assert f"{probes} probes read from the probe store" in proc.stdout
+    assert {k: v for k, v in plan.items() if "seconds" not in k and k not in ("compiles", "probes_read")} == \
+        {k: v for k, v in cold.items() if "seconds" not in k and k not in ("compiles", "probes_read")}
 
 
 def test_budget_sweep_table_and_plot(tmp_path):
