@@ -26,9 +26,9 @@ from typing import NamedTuple, Protocol
 import jax
 import numpy as np
 
+from . import _probe_store
 from ._cost import comm_seconds, fit, fit_time, interpolate
 from ._describe import describe
-from . import _probe_store
 from ._discover import _signature, clear_found
 from ._search import clear_kept
 from ._problem import Problem
@@ -247,9 +247,10 @@ class XlaCalibrator:
         for i, (problem, kind, batch, splits, timed) in enumerate(jobs):
             layout = self._layout(problem, kind, splits)
             key = self._key(layout, batch, timed, problem.fingerprint) if self.cache else None
-            if key is not None and _kept(key) is not None:
+            found = _kept(key) if key is not None else None
+            if found is not None:
                 self.cached += 1
-                yield i, self._done(kind, batch, key, *_PROBES[key])
+                yield i, self._done(kind, batch, key, *found)
             else:
                 to_compile.append((i, kind, batch, layout, key, timed))
         steps = [(self.loss_fn, self.optimizer, self.params, batch, self.mesh, layout, False if timed else "probe")

@@ -37,6 +37,8 @@ from ._xla import StepProfile
 
 log = logging.getLogger("osdp_jax")
 
+SUBDIR = "probes"  # enable_compilation_cache(path) keeps them in path/probes
+
 _DIR: pathlib.Path | None = None  # where probe figures are kept; None: not kept on disk
 _READS = 0  # probe figures read from disk in this process
 
@@ -44,8 +46,6 @@ _READS = 0  # probe figures read from disk in this process
 def reads() -> int:
     """Probe figures read from disk so far in this process (``Plan.probes_read`` counts a plan's)."""
     return _READS
-
-SUBDIR = "probes"  # enable_compilation_cache(path) keeps them in path/probes
 
 
 def enable(path) -> pathlib.Path:
@@ -78,13 +78,16 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def _environment() -> tuple:
+    """The library versions, ``XLA_FLAGS`` and the backend, once per process (XLA reads its flags
+    when the backend starts, so later changes to the variable do not reach the compiles)."""
     import flax
     import jaxlib
     import optax
     backend = jax.devices()[0].client
     return (jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
-            os.environ.get("XLA_FLAGS", ""), backend.platform, backend.platform_version, _source_digest())
+            os.environ.get("XLA_FLAGS", ""), backend.platform, backend.platform_version)
 
 
 def _mesh(mesh) -> tuple:
@@ -100,16 +103,16 @@ def _file(key) -> pathlib.Path | None:
     fingerprint, optimizer, params, layout, batch, mesh, timed = key
     if _DIR is None or timed or not isinstance(fingerprint, str) or not fingerprint:
         return None
-    text = repr((fingerprint, optimizer, params, layout, batch, _mesh(mesh), _environment()))
+    text = repr((fingerprint, optimizer, params, layout, batch, _mesh(mesh), _environment(), _source_digest()))
     return _DIR / f"{hashlib.sha256(text.encode()).hexdigest()}.json"
 
 
 def load(key) -> StepProfile | None:
     """The figures kept for ``key``, or None."""
+    global _READS
     path = _file(key)
     if path is None or not path.is_file():
         return None
-    global _READS
     try:
         profile = StepProfile(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError) as e:  # damaged or of another format: a miss

@@ -96,7 +96,6 @@ def test_timed_probes_and_losses_without_a_fingerprint_are_not_kept(store, mesh)
 
 
 def test_enable_compilation_cache_keeps_probes_beside_the_compiles(tmp_path):
-    from osdp_jax import _cache  # noqa: F401  (enable_compilation_cache's module)
     old = jax.config.jax_compilation_cache_dir
     try:
         path = osdp_jax.enable_compilation_cache(tmp_path / "xla")
