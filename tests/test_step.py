@@ -337,3 +337,22 @@ def test_optimizers_that_mask_parameters_or_factor_their_state_plan_and_train_li
         toy.assert_matches_single_device(losses, sharded, params, loss_fn, optimizer, batch, rtol=1e-5)
     losses, sharded, _ = toy.sharded_run(params, loss_fn, freeze, layout, mesh, batch, 2)
     np.testing.assert_array_equal(np.asarray(sharded["emb"]), np.asarray(params["emb"]))
+
+
+def test_an_optimizer_that_is_not_elementwise_plans_and_trains_on_an_explicit_mesh(mesh):
+    """optax.contrib.muon orthogonalises each gradient matrix (products of it with its transpose).
+    On a ZeRO-3 shard an Explicit mesh's sharding rules refused that: jax.make_mesh's default
+    mesh gave a ShardingTypeError from inside optax, in the planner's first probe. The optimizer's
+    init and update now run with the mesh's Explicit axes as Auto ones (``runtime.place.as_auto``),
+    where XLA gathers what they need inside the step (so XLA's peak, which verifies the plan,
+    counts it): planned, verified and trained like one device on an Explicit mesh and on an Auto
+    one."""
+    params, loss_fn, batch = toy.plain_params(layers=1), toy.plain_loss, toy.tokens(32)
+    muon = optax.contrib.muon(1e-2)
+    explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    plan = osdp_jax.plan(params, explicit, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=muon,
+                         strategies=("zero3",))
+    assert plan.counts()["zero3"] >= 3 and plan.xla_peak_bytes <= plan.budget_bytes
+    for m in (explicit, mesh):
+        losses, sharded, _ = toy.sharded_run(params, loss_fn, muon, plan, m, batch, 3)
+        toy.assert_matches_single_device(losses, sharded, params, loss_fn, muon, batch, rtol=1e-5)

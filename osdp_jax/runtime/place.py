@@ -134,7 +134,23 @@ def init_opt_state(optimizer, params, plan, mesh):
     abstract = jax.eval_shape(optimizer.init, params)
     specs = opt_state_specs(optimizer, abstract, state_spec_tree(params, layout, axes_size(mesh, layout.axes)), params)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+    return jax.jit(as_auto(optimizer.init, mesh, shardings), out_shardings=shardings)(params)
+
+
+def as_auto(fn, mesh, out_shardings):
+    """``fn`` run with ``mesh``'s Explicit axes as Auto ones (``jax.sharding.auto_axes``), its
+    outputs laid out as ``out_shardings``; ``fn`` itself on a mesh without Explicit axes.
+
+    For the optimizer's ``init`` and ``update``, which run on sharded parameters, gradients and
+    state: one that is not elementwise (``optax.contrib.muon`` multiplies each gradient matrix by
+    its transpose) is refused by an Explicit mesh's sharding rules on a ZeRO-3 shard
+    (``ShardingTypeError``), where on an Auto mesh XLA gathers what it needs, inside the compiled
+    step, so XLA's peak, which every plan is checked against, counts it."""
+    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                     if kind == jax.sharding.AxisType.Explicit)
+    if not explicit:
+        return fn
+    return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_shardings)
 
 
 def abstract_state(params, plan, mesh, optimizer=None):

@@ -47,7 +47,7 @@ from .context import SplitEntry, StepContext, active
 from .hooks import wrap_tree
 from .interception import intercepting
 from .stack import SegmentRun, StackView
-from .place import abstract_args, check_matches, check_mesh
+from .place import abstract_args, as_auto, check_matches, check_mesh
 
 
 def check_batch_leaves(batch) -> int:
@@ -421,7 +421,8 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                                out_specs=(P(), aux_spec, t_specs, P()), check_vma=False)
         loss, aux, grads, new_state = mapped(params, batch, state, rng)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)  # noqa: E731
+        updates, opt_state = as_auto(optimizer.update, mesh, (named(t_specs), named(o_specs)))(grads, opt_state, params)
         # a zero2 parameter's update is applied on its shard, then gathered whole below
         params = optax.apply_updates(jax.tree.map(lambda x, t: _lay_out(x, NamedSharding(mesh, t)), params, t_specs),
                                      updates)
