@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 from . import _probe_store
 from ._calibration import (MARGINS, OVERLAPS, UNIT_SCALES, Calibrator, XlaCalibrator, calibrate, probe_choices,
@@ -32,6 +33,7 @@ from ._segments import expand, expand_choices, param_columns, segments
 from ._stack import REMAT_POLICIES, check_remat
 from ._strategies import (DEFAULT_SPLITS, GATHERED, accumulation, axes_size, check_microbatches, check_splits,
                           check_strategies, data_axes)
+from ._unit_policy import unmarked_list
 from ._units import format_bytes, parse_bytes
 from ._verify import Superseded, verify
 from .runtime.step import (PROBE_TOLERANCE, check_batch_leaves, compile_count, compile_seconds, profile_checked,
@@ -172,11 +174,32 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     runs = [functools.partial(one, p, m=m) for p in problems for m in counts]
     if o.segment_gain and o.per_layer and problem.stacks:  # also every layer of each stack alike
         runs += [functools.partial(_one_segment, one, p, m=m) for p in problems for m in counts]
-    best = _fastest(runs, o)
+    try:
+        best = _fastest(runs, o)
+    except InfeasibleBudgetError as e:
+        hint = _nnx_units_hint(params, problem, o)
+        if not hint:
+            raise
+        raise InfeasibleBudgetError(f"{e}. {hint}", e.min_bytes) from None
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
                                compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
+
+
+def _nnx_units_hint(params, problem: Problem, o: PlanOptions) -> str:
+    """For a budget no plan meets: when ``params`` are an nnx model's state with a list of modules
+    (``blocks/0``, ``blocks/1``, ...) and no units under the default policy, how units could meet
+    it (an nnx module is a unit only once marked); else ``""``."""
+    if not isinstance(params, nnx.State) or o.loss_fn is None or o.units is not None or problem.units:
+        return ""
+    listed = unmarked_list(i.path for i in problem.infos if i.path not in problem.in_loop)
+    if not listed:
+        return ""
+    shown = ", ".join(listed[:3]) + (", ..." if len(listed) > 3 else "")
+    return (f"The model's modules {shown} are not units: an nnx model's are found only once marked, so each "
+            f"sharded weight is gathered for the whole step. Call osdp_jax.units.mark(model) before nnx.split "
+            f"to gather each at its call, under remat (README, Units), which may need far less memory")
 
 
 def _fastest(runs, o: PlanOptions) -> Plan:

@@ -99,3 +99,16 @@ def from_found(found, infos, patterns=None, share: float = DEFAULT_SHARE) -> dic
     counts the whole model."""
     sizes = {i.path: i.nbytes for i in infos if i.path not in found.in_loop}
     return choose(found.units, sizes, patterns, share, sum(i.nbytes for i in infos), bool(found.stacks))
+
+
+def unmarked_list(paths) -> list[str]:
+    """Modules of a list in an nnx model's parameter ``paths`` (``"blocks/0"``, ``"blocks/1"``: a
+    numbered path component with a sibling), in order: where an nnx model likely calls its blocks
+    in a loop, which are units only once :func:`osdp_jax.units.mark`-ed (nnx has no hook through
+    which discovery could see a module's call)."""
+    heads = set()
+    for path in paths:
+        parts = path.split("/")
+        heads |= {"/".join(parts[:i + 1]) for i, part in enumerate(parts) if part.isdigit()}
+    return sorted(_layer_list(heads), key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in n.split("/")])
+

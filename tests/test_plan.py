@@ -275,7 +275,9 @@ def test_nnx_python_loop_vit_mid_budget_fits_and_minimum_is_honest(mesh):
     between its FSDP and DDP peaks a plan that fits is returned (its first plan, costed with the
     pool overlap 1 a model without a layer stack starts from, is predicted within 1% of XLA's peak
     and fits; starting from 0, its first two plans were predicted 3% and 13% under and missed),
-    and below FSDP's peak the reported minimum is no more than a layout shown to fit."""
+    and below FSDP's peak the reported minimum is no more than a layout shown to fit, and the
+    error names the unmarked blocks and ``osdp_jax.units.mark`` (an nnx model's modules are units
+    only once marked)."""
     params, loss_fn, batch = toy.vit_setup()
     opt = optax.adam(1e-3)
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt)
@@ -291,6 +293,12 @@ def test_nnx_python_loop_vit_mid_budget_fits_and_minimum_is_honest(mesh):
     with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:
         osdp_jax.plan(params, mesh, budget=fsdp - 1, **kw)
     assert info.value.min_bytes <= fsdp
+    # its blocks are not marked as units, and the error says how units could meet the budget
+    assert "modules blocks/0, blocks/1 are not units" in str(info.value)
+    assert "osdp_jax.units.mark(model) before nnx.split" in str(info.value)
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as info:  # the user chose no units: no hint
+        osdp_jax.plan(params, mesh, budget=fsdp - 1, units=(), **kw)
+    assert "units.mark" not in str(info.value)
 
 
 def test_training_reuses_the_verification_compile(mesh):
