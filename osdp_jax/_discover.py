@@ -144,8 +144,9 @@ def _find(loss_fn, params, batch) -> Found:
     hidden = [h for h in hidden if not any(h.startswith(o + "/") for o in hidden)]  # the outermost
     if hidden:
         log.warning(
-            "osdp_jax: %d submodule(s) get their parameters through a Flax lifted transform of the model's own "
-            "(nn.remat, nn.vmap, ...), e.g. %s: they cannot be units (gathered at each call), so a sharded "
+            "osdp_jax: %d submodule(s) get their parameters through a transform of the model's own (a Flax "
+            "lifted transform such as nn.remat or nn.vmap, or jax.checkpoint or jax.vmap around the model's "
+            "apply), e.g. %s: they cannot be units (gathered at each call), so a sharded "
             "weight of theirs is gathered once per step. A unit already runs under jax.checkpoint (plan(unit_remat=), "
             "\"full\" by default, as nn.remat): drop the transform around them to let the planner make them units",
             len(hidden), ", ".join(hidden[:3]))

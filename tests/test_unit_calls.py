@@ -494,8 +494,9 @@ def test_a_shared_call_whose_key_cannot_be_hashed_is_a_plain_call():
 def test_submodules_under_the_models_own_nn_remat_are_named_in_one_warning(caplog):
     """Under nn.remat a block's parameters are the transform's values, not the params: it cannot
     be a unit, and discovery says so once, naming the outermost blocks and the fix (drop the
-    nn.remat: a unit runs under jax.checkpoint already). Without it the blocks are unit call
-    sites and nothing is said."""
+    nn.remat: a unit runs under jax.checkpoint already). So under jax.checkpoint around the whole
+    apply, where the warning named a Flax lifted transform the model did not use. Without either
+    the blocks are unit call sites and nothing is said."""
     from flax import linen as nn
 
     class Block(nn.Module):
@@ -513,15 +514,16 @@ def test_submodules_under_the_models_own_nn_remat_are_named_in_one_warning(caplo
         return Net()
 
     x = jnp.ones((16, 16))
-    for remat in (True, False):
-        net = model(remat)
+    for remat in (True, False, "jax.checkpoint"):
+        net = model(remat is True)
         params = net.init(jax.random.key(0), x)["params"]
         caplog.clear()
+        apply = lambda p, b: net.apply({"params": p}, b)  # noqa: E731
         with caplog.at_level("WARNING", logger="osdp_jax"):
-            found = osdp_jax._discover.find(lambda p, b: net.apply({"params": p}, b), params, x)
-        said = [r.getMessage() for r in caplog.records if "lifted transform" in r.getMessage()]
+            found = osdp_jax._discover.find(jax.checkpoint(apply) if remat else apply, params, x)
+        said = [r.getMessage() for r in caplog.records if "through a transform" in r.getMessage()]
         sites = {name for _, name, _ in found.units}
-        if remat:
+        if remat:  # nn.remat around each block, or jax.checkpoint around the whole apply
             assert len(said) == 1 and "3 submodule(s)" in said[0] and "e.g. block_0, block_1, block_2" in said[0]
             assert "drop the transform" in said[0] and not sites & {"block_0", "block_1", "block_2"}
         else:
