@@ -89,6 +89,8 @@ def test_named_data_axis_not_first_and_explicit_mesh(setup):
     sharded = osdp_jax.shard(params, mesh, plan)
     state = osdp_jax.init_opt_state(opt, sharded, plan, mesh)
     step = osdp_jax.make_train_step(loss_fn, opt, plan, mesh)
+    evaluate = osdp_jax.make_eval_step(loss_fn, plan, mesh)  # it did not lay its inputs out on an Explicit mesh
+    assert float(evaluate(sharded, batch)) == pytest.approx(float(loss_fn(params, batch)), rel=1e-5)
     _, _, loss = step(sharded, state, batch)
     assert float(loss) == pytest.approx(float(loss_fn(params, batch)), rel=1e-5)
     with pytest.raises(ValueError, match="no axis 'data'.*'model', 'batch'"):

@@ -673,6 +673,9 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
         out_spec = P(axis_entry(axes)) if aux == "gather" else P()
         in_specs = (p_specs, batch_specs(batch, axes), jax.tree.map(lambda _: P(), st),
                     None if key is None else P())
+        # Explicit meshes need inputs already laid out as in_specs (a no-op when they are)
+        params, batch, st = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, batch, st),
+                                         in_specs[:3])
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                              check_vma=False)(params, batch, st, key)
 
