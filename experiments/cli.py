@@ -350,6 +350,11 @@ def _main(argv=None):
     from . import runner
     from .checkpoint import CheckpointError
     out = pathlib.Path(args.out or pathlib.Path("runs") / pathlib.Path(args.config).stem / args.command)
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # before anything is planned: the run would fail at its first write
+        print(f"osdp-jax: error: --out {out}: {blocked} is a file, not a directory; choose another --out",
+              file=sys.stderr)
+        return 2
     try:
         s = runner.setup(cfg)
         if args.command == "plan":

@@ -107,6 +107,19 @@ def test_an_override_without_a_value_is_one_clear_line(capsys):
     assert capsys.readouterr().err.strip() == "osdp-jax: error: --plan.budget needs a value, e.g. --plan.budget=VALUE"
 
 
+def test_an_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):
+    """--out naming a file (or a path under one): one line, exit 2, before anything is planned, and
+    the file as it was (train planned, then failed with a FileExistsError traceback at its mkdir)."""
+    kept = tmp_path / "notes.txt"
+    kept.write_text("mine")
+    for out, blocked in ((kept, kept), (kept / "run", kept)):
+        for command in ("train", "plan", "compare"):
+            assert cli.main([command, "experiments/gpt2_mini.toml", "--out", str(out)]) == 2
+            assert capsys.readouterr().err.strip() == (f"osdp-jax: error: --out {out}: {blocked} is a file, not a "
+                                                       f"directory; choose another --out")
+    assert kept.read_text() == "mine" and sorted(tmp_path.iterdir()) == [kept]
+
+
 def test_infeasible_budget_is_one_clear_line(capsys):
     assert cli.main(["plan", "experiments/gpt2_mini.toml", "--budget", "10KiB", "--plan.batch_sizes=8",
                      "--plan.remat=full", "--plan.splits=1"]) == 2
