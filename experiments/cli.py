@@ -18,6 +18,18 @@ import pathlib
 import sys
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer (``--devices 0`` was ignored, ``profile --repeats 0``
+    a traceback from statistics.median)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="osdp-jax", description="Optimal Sharded Data Parallel for JAX")
     sub = p.add_subparsers(dest="command", required=True)
@@ -30,7 +42,7 @@ def _parser():
         c.add_argument("config", help="experiment TOML file, e.g. experiments/gpt2_mini.toml")
         c.add_argument("--out", default=None, help="output directory (default runs/<config name>/<command>)")
         c.add_argument("--budget", default=None, help="per-device memory budget, e.g. 64MiB (plan.budget)")
-        c.add_argument("--devices", type=int, default=None,
+        c.add_argument("--devices", type=_positive, default=None,
                        help="simulate this many CPU devices when the platform has one (default: the mesh size)")
         if name == "train":
             c.add_argument("--steps", type=int, default=None, help="training steps (train.steps)")
@@ -66,10 +78,10 @@ def _parser():
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     prof = sub.add_parser("profile", help="measure this mesh's collectives and matmul throughput")
     prof.add_argument("--out", default="profile.json", help="where to write the profile (JSON)")
-    prof.add_argument("--devices", type=int, default=None, help="simulate this many CPU devices")
+    prof.add_argument("--devices", type=_positive, default=None, help="simulate this many CPU devices")
     prof.add_argument("--mesh-shape", default="8", help="comma-separated mesh shape, e.g. 8 or 2,4")
     prof.add_argument("--axes", default="data", help="comma-separated axis names, e.g. data or replica,data")
-    prof.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
+    prof.add_argument("--repeats", type=_positive, default=5, help="timed runs per measurement (median)")
     return p
 
 

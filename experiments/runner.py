@@ -212,8 +212,9 @@ def check_run_dir(s: Setup, out: pathlib.Path, resume: bool, resume_from: int | 
     try:
         if not steps:
             if resume:
+                flag = "--resume" if resume_from is None else f"--resume-from {resume_from}"
                 raise CheckpointError(f"nothing to resume: {directory} holds no complete checkpoint; drop "
-                                      f"--resume to start a new run in {out}")
+                                      f"{flag} to start a new run in {out}")
             return None
         if not resume:
             raise CheckpointError(f"{out} already holds checkpoints (newest: step {steps[-1]}); pass --resume "

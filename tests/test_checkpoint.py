@@ -407,6 +407,9 @@ def test_resume_with_nothing_to_resume_is_refused_before_planning(tmp_path, case
     assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume"]) == 2
     assert "nothing to resume" in _one_error(capsys)
     assert _snapshot(run) == before
+    assert cli.main(["train", CONFIG, "--out", str(run), *ARGS, "--resume-from", "3"]) == 2
+    assert "drop --resume-from 3 to start a new run" in _one_error(capsys)  # the flag given, named
+    assert _snapshot(run) == before
 
 
 def test_resume_from_a_step_that_is_not_there(tmp_path, uninterrupted, capsys):

@@ -120,6 +120,17 @@ def test_an_out_that_is_a_file_is_one_clear_line(tmp_path, capsys):
     assert kept.read_text() == "mine" and sorted(tmp_path.iterdir()) == [kept]
 
 
+@pytest.mark.parametrize("argv", [["plan", "experiments/gpt2_mini.toml", "--devices", "0"],
+                                  ["profile", "--repeats", "0"], ["profile", "--devices", "-2"]])
+def test_a_count_that_is_not_positive_is_refused(argv, capsys):
+    """--devices 0 was ignored (the mesh's size simulated instead), profile --repeats 0 a
+    traceback from statistics.median: argparse's usage and one error line, exit 2."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"must be a positive integer, got {argv[-1]!r}")
+
+
 def test_infeasible_budget_is_one_clear_line(capsys):
     assert cli.main(["plan", "experiments/gpt2_mini.toml", "--budget", "10KiB", "--plan.batch_sizes=8",
                      "--plan.remat=full", "--plan.splits=1"]) == 2
