@@ -210,14 +210,16 @@ class XlaCalibrator:
         on the devices) one at a time."""
         return self._profile_jobs([(problem, *request) for request in requests])
 
-    def compile_all(self, problems, progress=lambda jobs, desc: jobs) -> int:
+    def compile_all(self, problems, progress=lambda jobs, desc: jobs, stop=None) -> int:
         """Compile the probes of several problems of this calibrator's model at once, ``problems``
         a list of ``(problem, requests)`` (:func:`probe_requests`), and keep their figures in the
         in-process cache, where each problem's :func:`calibrate` then finds them: the plan with
         units and the plan without them (``_planner.plan``) probe in one batch on the compile
         threads, not two, each traced while the workers compile the others (the layouts they
         share compiled once). Does nothing for timed probes, which run one at a time, or without
-        the cache. ``progress``: as :func:`calibrate`'s. Returns the number of probes compiled."""
+        the cache. ``progress``: as :func:`calibrate`'s. ``stop(job, figures)``, called as each
+        probe is done (``job``: ``(problem, kind, batch, splits, timed)``), ends the batch when
+        true: probes not yet compiling are not compiled. Returns the number of probes compiled."""
         if not self.cache:
             return 0
         jobs, seen = [], set()
@@ -228,12 +230,19 @@ class XlaCalibrator:
                 key = self._key(self._layout(problem, kind, splits), batch, timed, problem.fingerprint)
                 if key is None:
                     return 0
-                if _kept(key) is None and key not in seen:
+                kept = _kept(key)
+                if kept is not None and stop is not None and stop((problem, kind, batch, splits, timed), kept):
+                    return 0  # a kept probe's figures end the batch before anything is compiled
+                if kept is None and key not in seen:
                     seen.add(key)
                     jobs.append((problem, kind, batch, splits, timed))
-        n0 = self.compiles
-        for _ in progress(_Sized(self._profile_jobs(jobs), len(jobs)), "osdp-jax: compiling probes") if jobs else ():
-            pass  # each kept in _PROBES as it is done
+        n0, done = self.compiles, self._profile_jobs(jobs)
+        try:
+            for i, figures in progress(_Sized(done, len(jobs)), "osdp-jax: compiling probes") if jobs else ():
+                if stop is not None and stop(jobs[i], figures):  # each kept in _PROBES as it is done
+                    break
+        finally:
+            done.close()  # when stopped early, the probes not yet compiling are dropped
         return self.compiles - n0
 
     @staticmethod
@@ -303,8 +312,12 @@ class RecordedCalibrator:
 
 def probe_kinds(problem: Problem) -> list[ProbeKind]:
     """The probes a problem needs: LAYER only when it has both per-layer and per-step shardable
-    parameters, SPLIT only when a per-layer kernel can split."""
+    parameters, SPLIT only when a per-layer kernel can split; REPLICATE alone when no parameter
+    may take a sharded strategy (and there is no layer stack or unit)."""
     can_shard, loop = problem.can_shard(), problem.loop_mask()
+    sharded = [j for j, column in enumerate(problem.columns) if column[0] != "replicate"]
+    if not problem.stacks and not problem.units and not problem.available[:, sharded].any():
+        return [ProbeKind.REPLICATE]  # nothing can be sharded (strategies=("replicate",)): no other layout
     kinds = [ProbeKind.REPLICATE, ProbeKind.ZERO3]
     if (can_shard & loop).any() and (can_shard & ~loop).any():
         kinds.append(ProbeKind.LAYER)
@@ -442,8 +455,9 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     for b in ends:
         got = {kind: runs[kind, b][0] for kind in kinds if (kind, b) in runs}
         # with no per-step parameter to shard, the all-zero3 probe is the per-layer one
-        per_layer = got.get(ProbeKind.LAYER, got[ProbeKind.ZERO3] if not (can_shard & ~loop).any() else None)
-        probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got[ProbeKind.ZERO3], p, can_shard, loop,
+        per_layer = got.get(ProbeKind.LAYER, got.get(ProbeKind.ZERO3) if not (can_shard & ~loop).any() else None)
+        probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got.get(ProbeKind.ZERO3, got[ProbeKind.REPLICATE]),
+                        p, can_shard, loop,
                         got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
                         problem.last_unit_mask(), problem.saving_bytes(),
                         runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving,

@@ -162,15 +162,33 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     counts = check_microbatches(o.microbatches, None if o.loss_fn is None else batches, axes_size(mesh, axes))
     counts = counts if o.loss_fn is not None else (1,)
 
+    n0, s0, r0 = compile_count(), compile_seconds(), _probe_store.reads()
     # with the default unit policy's units, also without them: a unit saves memory for one more
     # gather (and, under the default "full" unit remat, its forward pass again)
     problems = [problem] if o.units is not None or not problem.units else [problem, dataclasses.replace(problem, units={})]
-    n0, s0, r0 = compile_count(), compile_seconds(), _probe_store.reads()
-    if len(problems) > 1 and o.loss_fn is not None and 1 in counts and hasattr(calibrator, "compile_all"):
-        # both problems' probes in one batch on the compile threads (each problem's calibrate then
-        # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the other
-        calibrator.compile_all([(p, probe_requests(p, batches, o.measure_time, policies)[1]) for p in problems],
-                               _progress)
+    first = _replication_may_be_fastest(problem, o, counts, calibrator, axes)
+    if first or (len(problems) > 1 and o.loss_fn is not None and 1 in counts and hasattr(calibrator, "compile_all")):
+        # the problems' probes in one batch on the compile threads (each problem's calibrate then
+        # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the
+        # other. Where every parameter replicated at the largest batch size is the fastest plan
+        # the model can give, its probe comes first, and the batch ends once XLA's peak of it fits
+        top, fits, replicated = max(batches), [], _replicated_only(dataclasses.replace(problem, units={}))
+
+        def stop(job, figures) -> bool:
+            if first and job[0] is replicated:
+                fits.append(figures[0].peak_bytes <= budget)
+            return any(fits)
+
+        ddp_probe = [(replicated, probe_requests(replicated, {top: batches[top]})[1])] if first else []
+        calibrator.compile_all(ddp_probe + [(p, probe_requests(p, batches, o.measure_time, policies)[1])
+                                            for p in problems], _progress, stop)
+        if any(fits):
+            log.info("every parameter replicated at batch size %d fits: the fastest plan by the model, so no "
+                     "other layout was probed", top)
+            ddp = one(replicated, batches={top: batches[top]})
+            return dataclasses.replace(ddp, planning_seconds=time.perf_counter() - start,
+                                       compiles=compile_count() - n0, compile_seconds=compile_seconds() - s0,
+                                       probes_read=_probe_store.reads() - r0)
     runs = [functools.partial(one, p, m=m) for p in problems for m in counts]
     if o.segment_gain and o.per_layer and problem.stacks:  # also every layer of each stack alike
         runs += [functools.partial(_one_segment, one, p, m=m) for p in problems for m in counts]
@@ -185,6 +203,33 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         log.info("units: %s", "used" if best.units else "not used")
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
                                compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
+
+
+def _replicated_only(problem: Problem) -> Problem:
+    """``problem`` with every parameter's sharded columns unavailable: its one probe is the
+    all-replicated step (``probe_kinds``), the same layout as ``problem``'s."""
+    keep = [column[0] == "replicate" for column in problem.columns]
+    return dataclasses.replace(problem, options=tuple(tuple(o if k else None for o, k in zip(row, keep))
+                                                      for row in problem.options))
+
+
+def _replication_may_be_fastest(problem: Problem, o: PlanOptions, counts, calibrator, axes) -> bool:
+    """Whether every parameter replicated, at the largest batch size and in one microbatch, is the
+    fastest plan the cost model can give wherever XLA's peak of it fits the budget (``plan``
+    probes that first): a replicated parameter's collective, ``a + 2(N-1)/N p/W`` s, is the least
+    of any strategy's (zero3 and zero2 ``2a + 2(N-1)/N p/W``, hsdp more, a split or a unit more
+    still, and a unit's forward pass recomputed), microbatches only add, and per-sample compute
+    is the same at every batch size while the collectives are per step, so samples/s grows with
+    the batch. Not when a layer stack's remat may take "dots" or "none" (fewer FLOPs than the
+    probes' "full"), nor with ``compute_dtype`` (zero3 then gathers fewer bytes than an
+    all-reduce moves), nor over several data-parallel axes (with a slower link between nodes,
+    hsdp's all-reduce of a shard across them beats a whole all-reduce: ``tests/test_hsdp.py``),
+    nor with timed probes or without a loss or a compiling calibrator."""
+    sharded = [j for j, column in enumerate(problem.columns) if column[0] != "replicate"]
+    return (o.loss_fn is not None and not o.measure_time and not problem.stacks and not o.compute_dtype
+            and len(axes) == 1
+            and "replicate" in problem.strategies and 1 in counts and hasattr(calibrator, "compile_all")
+            and bool(problem.available[:, sharded].any()))  # else there is nothing else to probe
 
 
 def _nnx_units_hint(params, problem: Problem, o: PlanOptions) -> str:
