@@ -236,7 +236,7 @@ class XlaCalibrator:
                 if kept is None and key not in seen:
                     seen.add(key)
                     jobs.append((problem, kind, batch, splits, timed))
-        n0, done = self.compiles, self._profile_jobs(jobs)
+        n0, done = self.compiles, self._profile_jobs(jobs, early=stop is not None)
         try:
             for i, figures in progress(_Sized(done, len(jobs)), "osdp-jax: compiling probes") if jobs else ():
                 if stop is not None and stop(jobs[i], figures):  # each kept in _PROBES as it is done
@@ -250,8 +250,9 @@ class XlaCalibrator:
         return problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
                               lambda x: kind.zero2(x, problem), kind.remat_layers)
 
-    def _profile_jobs(self, jobs):
-        """:meth:`profile_many` of ``(problem, kind, batch, splits, timed)`` jobs."""
+    def _profile_jobs(self, jobs, early: bool = False):
+        """:meth:`profile_many` of ``(problem, kind, batch, splits, timed)`` jobs (``early``: as
+        ``compile_many``'s)."""
         to_compile = []
         for i, (problem, kind, batch, splits, timed) in enumerate(jobs):
             layout = self._layout(problem, kind, splits)
@@ -266,7 +267,7 @@ class XlaCalibrator:
                  for _, _, batch, layout, _, timed in to_compile]
         t0, n0 = time.perf_counter(), compile_count()
         threads = 1 if any(job[-1] for job in to_compile) else self.threads or compile_threads()
-        for j, (compiled, missing) in compile_many(steps, threads):
+        for j, (compiled, missing) in compile_many(steps, threads, early):
             i, kind, batch, layout, key, timed = to_compile[j]
             prof, seconds = profile_compiled(compiled, missing), None
             if timed and prof.peak_bytes <= self.device_bytes:  # it must fit the devices, not the budget
@@ -315,8 +316,7 @@ def probe_kinds(problem: Problem) -> list[ProbeKind]:
     parameters, SPLIT only when a per-layer kernel can split; REPLICATE alone when no parameter
     may take a sharded strategy (and there is no layer stack or unit)."""
     can_shard, loop = problem.can_shard(), problem.loop_mask()
-    sharded = [j for j, column in enumerate(problem.columns) if column[0] != "replicate"]
-    if not problem.stacks and not problem.units and not problem.available[:, sharded].any():
+    if not problem.stacks and not problem.units and not problem.any_sharded():
         return [ProbeKind.REPLICATE]  # nothing can be sharded (strategies=("replicate",)): no other layout
     kinds = [ProbeKind.REPLICATE, ProbeKind.ZERO3]
     if (can_shard & loop).any() and (can_shard & ~loop).any():

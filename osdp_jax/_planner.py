@@ -181,7 +181,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
 
         ddp_probe = [(replicated, probe_requests(replicated, {top: batches[top]})[1])] if first else []
         calibrator.compile_all(ddp_probe + [(p, probe_requests(p, batches, o.measure_time, policies)[1])
-                                            for p in problems], _progress, stop)
+                                            for p in problems], _progress, stop if first else None)
         if any(fits):
             log.info("every parameter replicated at batch size %d fits: the fastest plan by the model, so no "
                      "other layout was probed", top)
@@ -225,11 +225,10 @@ def _replication_may_be_fastest(problem: Problem, o: PlanOptions, counts, calibr
     all-reduce moves), nor over several data-parallel axes (with a slower link between nodes,
     hsdp's all-reduce of a shard across them beats a whole all-reduce: ``tests/test_hsdp.py``),
     nor with timed probes or without a loss or a compiling calibrator."""
-    sharded = [j for j, column in enumerate(problem.columns) if column[0] != "replicate"]
     return (o.loss_fn is not None and not o.measure_time and not problem.stacks and not o.compute_dtype
             and len(axes) == 1
             and "replicate" in problem.strategies and 1 in counts and hasattr(calibrator, "compile_all")
-            and bool(problem.available[:, sharded].any()))  # else there is nothing else to probe
+            and problem.any_sharded())  # else there is nothing else to probe
 
 
 def _nnx_units_hint(params, problem: Problem, o: PlanOptions) -> str:

@@ -94,6 +94,11 @@ class Problem:
     def spec_of(self, info: ParamInfo, strategy: str) -> P | None:
         return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner)
 
+    def any_sharded(self) -> bool:
+        """Whether any parameter may take a column other than replication."""
+        sharded = [j for j, column in enumerate(self.columns) if column[0] != "replicate"]
+        return bool(self.available[:, sharded].any())
+
     def can_shard(self) -> np.ndarray:
         return np.array([self.spec_of(i, "zero3") is not None for i in self.infos])
 

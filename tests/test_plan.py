@@ -374,8 +374,8 @@ def test_the_probes_with_and_without_units_compile_in_one_batch(mesh, monkeypatc
              for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
     kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt)
     sizes, compile_many = [], _calibration.compile_many  # the steps of each batch compiled for probes
-    monkeypatch.setattr(_calibration, "compile_many", lambda steps, threads: sizes.append(len(steps)) or
-                        compile_many(steps, threads))
+    monkeypatch.setattr(_calibration, "compile_many", lambda steps, threads, early=False: sizes.append(len(steps))
+                        or compile_many(steps, threads, early))
     clear_probe_cache(), clear_compiled()
     together = osdp_jax.plan(params, mesh, **kw)
     merged = [n for n in sizes if n]
@@ -484,6 +484,18 @@ def test_probes_compiled_on_worker_threads_each_get_their_own_figures(mesh):
     assert compile_count() - n0 == 4 and 0 < compile_seconds() - s0 <= wall
     assert [osdp_jax.profile_compiled(*done[i]) for i in range(4)] == alone
     assert len({p.peak_bytes for p in alone}) == 4  # four different steps
+    # stopped after the first step done (``early``: yielded while later ones are traced): the
+    # steps compiling then are finished, counted and kept, the others never compiled
+    clear_compiled()
+    n0 = compile_count()
+    running = compile_many(steps, threads=2, early=True)
+    i, first = next(running)
+    running.close()
+    stopped = compile_count() - n0
+    assert 1 <= stopped <= 4 and osdp_jax.profile_compiled(*first) == alone[i]
+    n0 = compile_count()
+    again = dict(compile_many(steps, threads=2))
+    assert compile_count() - n0 == 4 - stopped and [osdp_jax.profile_compiled(*again[j]) for j in range(4)] == alone
 
 
 def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
