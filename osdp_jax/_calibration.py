@@ -219,7 +219,10 @@ class XlaCalibrator:
         share compiled once). Does nothing for timed probes, which run one at a time, or without
         the cache. ``progress``: as :func:`calibrate`'s. ``stop(job, figures)``, called as each
         probe is done (``job``: ``(problem, kind, batch, splits, timed)``), ends the batch when
-        true: probes not yet compiling are not compiled. Returns the number of probes compiled."""
+        true: probes not yet compiling are not compiled. The first job's figures are read as soon
+        as it is compiled, the others' after the last probe is traced (``compile_many``'s
+        ``early``), so a ``stop`` that waits on the first job costs the rest nothing. Returns the
+        number of probes compiled."""
         if not self.cache:
             return 0
         jobs, seen = [], set()
@@ -236,11 +239,13 @@ class XlaCalibrator:
                 if kept is None and key not in seen:
                     seen.add(key)
                     jobs.append((problem, kind, batch, splits, timed))
-        n0, done = self.compiles, self._profile_jobs(jobs, early=stop is not None)
+        waiting = [stop is not None]  # for the first job's figures, yielded as soon as they are in
+        n0, done = self.compiles, self._profile_jobs(jobs, early=lambda: waiting[0])
         try:
             for i, figures in progress(_Sized(done, len(jobs)), "osdp-jax: compiling probes") if jobs else ():
                 if stop is not None and stop(jobs[i], figures):  # each kept in _PROBES as it is done
                     break
+                waiting[0] = waiting[0] and i != 0
         finally:
             done.close()  # when stopped early, the probes not yet compiling are dropped
         return self.compiles - n0
@@ -250,7 +255,7 @@ class XlaCalibrator:
         return problem.layout(lambda x: kind.zero3(x, problem), splits, kind.remat,
                               lambda x: kind.zero2(x, problem), kind.remat_layers)
 
-    def _profile_jobs(self, jobs, early: bool = False):
+    def _profile_jobs(self, jobs, early=lambda: False):
         """:meth:`profile_many` of ``(problem, kind, batch, splits, timed)`` jobs (``early``: as
         ``compile_many``'s)."""
         to_compile = []

@@ -374,8 +374,8 @@ def test_the_probes_with_and_without_units_compile_in_one_batch(mesh, monkeypatc
              for make in (osdp_jax.Layout.fsdp, osdp_jax.Layout.ddp)]
     kw = dict(budget=sum(peaks) // 2, loss_fn=loss_fn, batch=batch, optimizer=opt)
     sizes, compile_many = [], _calibration.compile_many  # the steps of each batch compiled for probes
-    monkeypatch.setattr(_calibration, "compile_many", lambda steps, threads, early=False: sizes.append(len(steps))
-                        or compile_many(steps, threads, early))
+    monkeypatch.setattr(_calibration, "compile_many", lambda steps, threads, early=lambda: False:
+                        sizes.append(len(steps)) or compile_many(steps, threads, early))
     clear_probe_cache(), clear_compiled()
     together = osdp_jax.plan(params, mesh, **kw)
     merged = [n for n in sizes if n]
@@ -488,7 +488,7 @@ def test_probes_compiled_on_worker_threads_each_get_their_own_figures(mesh):
     # steps compiling then are finished, counted and kept, the others never compiled
     clear_compiled()
     n0 = compile_count()
-    running = compile_many(steps, threads=2, early=True)
+    running = compile_many(steps, threads=2, early=lambda: True)
     i, first = next(running)
     running.close()
     stopped = compile_count() - n0

@@ -804,16 +804,17 @@ def _compiled(pending: _Pending):
     return _finish(pending, compiled, end - start)
 
 
-def compile_many(steps, threads: int, early: bool = False):
+def compile_many(steps, threads: int, early=lambda: False):
     """:func:`compile_counted` for each ``(loss_fn, optimizer, params, batch, mesh, plan,
     figures_only)`` of ``steps``, yielding ``(index, (compiled, FLOPs XLA leaves out))`` as each is
     done. Each step is traced and lowered in this thread, in order, while up to ``threads`` worker
     threads compile those already lowered (XLA compiles outside Python's lock: on 2 cores, 12
-    probes of gpt2-mini took 30% less time pipelined so). With ``early``, a step compiled while
-    later ones are traced is yielded then, so that the caller may stop early (close the
-    generator): steps not yet compiling are dropped, and those compiling are finished, counted
-    and kept. Without it the figures are read after the last trace, off the tracing thread's
-    critical path (opt_mini's cold plan took about 10% longer with every step yielded early)."""
+    probes of gpt2-mini took 30% less time pipelined so). While ``early()`` is true, a step
+    compiled while later ones are traced is yielded then, so that the caller may stop early
+    (close the generator): steps not yet compiling are dropped, and those compiling are finished,
+    counted and kept. Otherwise the figures are read after the last trace, off the tracing
+    thread's critical path (opt_mini's cold plan took about 10% longer with every step yielded
+    early)."""
     steps = list(steps)
     if threads <= 1 or len(steps) < 2:
         for i, step in enumerate(steps):
@@ -837,7 +838,7 @@ def compile_many(steps, threads: int, early: bool = False):
                 yield i, _finish(pending)
                 continue
             futures[pool.submit(_compile, pending)] = i, pending
-            for future in [f for f in futures if early and f.done() and f not in done]:
+            for future in [f for f in futures if f.done() and f not in done] if early() else ():
                 yield finished(future)
         for future in concurrent.futures.as_completed([f for f in futures if f not in done]):
             yield finished(future)
