@@ -111,4 +111,3 @@ def unmarked_list(paths) -> list[str]:
         parts = path.split("/")
         heads |= {"/".join(parts[:i + 1]) for i, part in enumerate(parts) if part.isdigit()}
     return sorted(_layer_list(heads), key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in n.split("/")])
-
