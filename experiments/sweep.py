@@ -155,7 +155,10 @@ def plot_sweep(model: str, rows: list[dict], path: pathlib.Path) -> None:
 
 def parse_budgets(text: str) -> list[str]:
     """``"4GB,6GB,8GB"`` -> the budgets, each checked, in ascending order of bytes."""
-    budgets = [b.strip() for b in text.split(",") if b.strip()]
+    items = [b.strip() for b in text.split(",")]
+    if "" in items[:-1]:  # a trailing comma is harmless; an empty item between two is a budget left out
+        raise ValueError(f"an empty budget between commas in {text!r}: give every budget, e.g. --budgets 4GB,6GB,8GB")
+    budgets = [b for b in items if b]
     if not budgets:
         raise ValueError("--budgets needs at least one budget, e.g. --budgets 4GB,6GB,8GB")
     for b in budgets:

@@ -215,12 +215,17 @@ def test_budget_sweep_table_and_plot(tmp_path):
         parse_budgets("4GB,lots")
 
 
-def test_budget_sweep_bad_budget_is_one_line(tmp_path, capsys):
-    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--budgets", "2MiB,lots", "--out",
+@pytest.mark.parametrize("budgets", ["2MiB,lots", "2MiB,,4MiB", ",2MiB"])
+def test_budget_sweep_bad_budget_is_one_line(tmp_path, capsys, budgets):
+    """A budget that does not parse, or one left out between commas (it was skipped silently):
+    one line, exit 2, nothing written. A trailing comma is accepted."""
+    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--budgets", budgets, "--out",
                      str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("osdp-jax: error: config error: --budgets:") and len(err.splitlines()) == 1
     assert not (tmp_path / "s").exists()
+    from experiments.sweep import parse_budgets
+    assert parse_budgets("4MiB,2MiB,") == ["2MiB", "4MiB"]
 
 
 @pytest.mark.slow  # plans three methods at three budgets (~1 min cold)
