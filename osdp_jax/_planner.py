@@ -172,10 +172,10 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the
         # other. Where every parameter replicated at the largest batch size is the fastest plan
         # the model can give, its probe comes first, and the batch ends once XLA's peak of it fits
-        top, fits, replicated = max(batches), [], _replicated_only(dataclasses.replace(problem, units={}))
+        top, fits, replicated = max(batches), [], dataclasses.replace(problem, units={}).replicated_only()
 
-        def stop(job, figures) -> bool:
-            if first and job[0] is replicated:
+        def stop(job, figures) -> bool:  # passed only with ``first``
+            if job[0] is replicated:
                 fits.append(figures[0].peak_bytes <= budget)
             return any(fits)
 
@@ -203,14 +203,6 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         log.info("units: %s", "used" if best.units else "not used")
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
                                compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
-
-
-def _replicated_only(problem: Problem) -> Problem:
-    """``problem`` with every parameter's sharded columns unavailable: its one probe is the
-    all-replicated step (``probe_kinds``), the same layout as ``problem``'s."""
-    keep = [column[0] == "replicate" for column in problem.columns]
-    return dataclasses.replace(problem, options=tuple(tuple(o if k else None for o, k in zip(row, keep))
-                                                      for row in problem.options))
 
 
 def _replication_may_be_fastest(problem: Problem, o: PlanOptions, counts, calibrator, axes) -> bool:

@@ -94,10 +94,19 @@ class Problem:
     def spec_of(self, info: ParamInfo, strategy: str) -> P | None:
         return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner)
 
+    def _sharded_columns(self) -> np.ndarray:
+        return np.array([column[0] != "replicate" for column in self.columns], dtype=bool)
+
     def any_sharded(self) -> bool:
         """Whether any parameter may take a column other than replication."""
-        sharded = [j for j, column in enumerate(self.columns) if column[0] != "replicate"]
-        return bool(self.available[:, sharded].any())
+        return bool(self.available[:, self._sharded_columns()].any())
+
+    def replicated_only(self) -> "Problem":
+        """The problem with every parameter's sharded columns unavailable: its one probe is the
+        all-replicated step (``_calibration.probe_kinds``), the same layout as this problem's."""
+        sharded = self._sharded_columns()
+        return dataclasses.replace(self, options=tuple(tuple(None if off else o for o, off in zip(row, sharded))
+                                                       for row in self.options))
 
     def can_shard(self) -> np.ndarray:
         return np.array([self.spec_of(i, "zero3") is not None for i in self.infos])

@@ -303,6 +303,11 @@ def _lay_out(x, sharding: NamedSharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _lay_out_tree(tree, specs, mesh):
+    """:func:`_lay_out` of each leaf of ``tree`` to its ``PartitionSpec`` in ``specs`` on ``mesh``."""
+    return jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), tree, specs)
+
+
 class _Gathering(NamedTuple):
     """Where each sharded parameter of a layout is gathered inside the step."""
 
@@ -413,9 +418,8 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
         r_spec = None if rng is None else P()
         in_specs = (p_specs, batch_specs(batch, axes), s_specs, r_spec)
         # Explicit meshes need inputs already laid out as in_specs (a no-op when they are).
-        params, opt_state, batch, state = jax.tree.map(
-            lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, opt_state, batch, state),
-            (p_specs, o_specs, in_specs[1], s_specs))
+        params, opt_state, batch, state = _lay_out_tree((params, opt_state, batch, state),
+                                                        (p_specs, o_specs, in_specs[1], s_specs), mesh)
         body = grad_body(loss_fn, p_specs, axes, n, g, options, t_specs)
         aux_spec = P(axis_entry(axes)) if options.aux == "gather" else P()
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
@@ -424,10 +428,8 @@ def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOpti
         named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)  # noqa: E731
         updates, opt_state = as_auto(optimizer.update, mesh, (named(t_specs), named(o_specs)))(grads, opt_state, params)
         # a zero2 parameter's update is applied on its shard, then gathered whole below
-        params = optax.apply_updates(jax.tree.map(lambda x, t: _lay_out(x, NamedSharding(mesh, t)), params, t_specs),
-                                     updates)
-        params, opt_state = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)),
-                                         (params, opt_state), (p_specs, o_specs))
+        params = optax.apply_updates(_lay_out_tree(params, t_specs, mesh), updates)
+        params, opt_state = _lay_out_tree((params, opt_state), (p_specs, o_specs), mesh)
         out = (params, opt_state, loss)
         if options.has_aux:
             out += (aux,)
@@ -674,8 +676,7 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
         in_specs = (p_specs, batch_specs(batch, axes), jax.tree.map(lambda _: P(), st),
                     None if key is None else P())
         # Explicit meshes need inputs already laid out as in_specs (a no-op when they are)
-        params, batch, st = jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), (params, batch, st),
-                                         in_specs[:3])
+        params, batch, st = _lay_out_tree((params, batch, st), in_specs[:3], mesh)
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                              check_vma=False)(params, batch, st, key)
 
