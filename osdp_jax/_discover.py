@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from ._compat import scan_operand_counts
 from ._describe import flat_params, strip_boxes
 from .runtime.context import StepContext, active
 from .runtime.hooks import wrap_tree
@@ -178,7 +179,7 @@ def looped_params(jaxpr, paths) -> set[str]:
                     alias[out] = ins[0]
                 continue
             if name == "scan":
-                first = eqn.params["num_consts"] + eqn.params["num_carry"]
+                first = sum(scan_operand_counts(eqn.params))
                 found.update(p for p in ins[first:] if p is not None)
             if in_loop and name == "dynamic_slice" and ins and ins[0] is not None:
                 shape, sizes = eqn.invars[0].aval.shape, tuple(eqn.params["slice_sizes"])

@@ -40,13 +40,19 @@ import os
 import shutil
 import tempfile
 
-if "OSDP_JAX_TEST_HOME" not in os.environ:  # pytest's own process: one home, its workers inherit it
+from osdp_jax._compat import supported_compile_options, supported_xla_flags  # imports jax, starts no backend
+
+# The suite's XLA flags (module docstring); those the installed XLA does not know are left out, as
+# XLA aborts a process on an unknown flag (jaxlib 0.11 and later have no older emitters).
+TEST_XLA_FLAGS = ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
+                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"]
+
+if "OSDP_JAX_TEST_HOME" not in os.environ:  # pytest's own process: one home and flags, its workers inherit them
     os.environ["OSDP_JAX_TEST_HOME"] = tempfile.mkdtemp(prefix="osdp-jax-test-home-")
     atexit.register(shutil.rmtree, os.environ["OSDP_JAX_TEST_HOME"], True)
+    os.environ["OSDP_JAX_TEST_XLA_FLAGS"] = " ".join(supported_xla_flags(TEST_XLA_FLAGS))
 os.environ["HOME"] = os.environ["OSDP_JAX_TEST_HOME"]  # the CLI's default cache goes here
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-                           " --xla_cpu_parallel_codegen_split_count=1").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + os.environ["OSDP_JAX_TEST_XLA_FLAGS"]).strip()
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # noqa: E402
@@ -84,8 +90,8 @@ def default_emitters(monkeypatch):
     from osdp_jax.runtime import step
     step.clear_compiled()  # no step kept from an earlier test (compiled the suite's way) is reused
     options = step._options
-    monkeypatch.setattr(step, "_options", lambda purpose, mesh: (
-        {"xla_cpu_use_fusion_emitters": True} if purpose == "run" else options(purpose, mesh)))
+    fusion = supported_compile_options({"xla_cpu_use_fusion_emitters": True}, "cpu")  # None: the only emitters
+    monkeypatch.setattr(step, "_options", lambda purpose, mesh: fusion if purpose == "run" else options(purpose, mesh))
 
 
 # The modules holding the longest tests (a plan with every probe, processes that plan and train)

@@ -41,6 +41,16 @@ def _groups(hlo: str, op: str) -> set:
             if m.group(4):
                 ids = ids.transpose(tuple(map(int, m.group(4).split(","))))
             found |= {frozenset(row) for row in ids.reshape(g, size).tolist()}
+            continue
+        m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+        if m:  # mesh form (jaxlib 0.12): the mesh's axes and sizes, then the axes each group spans
+            axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
+            spanned = re.findall(r"'(\w+)'", m.group(2))
+            ids = np.arange(np.prod([size for _, size in axes])).reshape([size for _, size in axes])
+            order = [i for i, (name, _) in enumerate(axes) if name not in spanned] + [
+                i for i, (name, _) in enumerate(axes) if name in spanned]
+            size = int(np.prod([s for name, s in axes if name in spanned]))
+            found |= {frozenset(row) for row in ids.transpose(order).reshape(-1, size).tolist()}
     return found
 
 

@@ -172,7 +172,9 @@ def test_scan_outside_a_plan_is_the_loop_for_every_remat_policy():
         np.testing.assert_allclose(out, expected, rtol=1e-6)
         g = jax.grad(lambda w_: osdp_jax.layers.scan(layer, {"w": w_}, x, remat=policy).sum())(w)
         g0 = jax.grad(lambda w_: osdp_jax.layers.scan(layer, {"w": w_}, x, remat="full").sum())(w)
-        np.testing.assert_allclose(g, g0, rtol=1e-5)
+        # a recomputation may round differently (jaxlib 0.12's fusions): within float32 rounding of
+        # the gradient's scale, not of each element's (one element of 320 near zero differed by 3e-5 of itself)
+        np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-6 * float(jnp.abs(g0).max()))
     with pytest.raises(ValueError, match="unknown remat policy 'some'"):
         osdp_jax.layers.scan(layer, {"w": w}, x, remat="some")
 

@@ -36,6 +36,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._compat import supported_compile_options
 from .._describe import check_trainable, describe, path_name, strip_boxes
 from .._layout import (Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree,
                        state_spec_tree)
@@ -709,19 +710,21 @@ FIGURES_ONLY = {"xla_backend_optimization_level": 0}
 # Its LLVM module is also not split for parallel codegen (``xla_cpu_parallel_codegen_split_count``
 # 1): the compile threads (``compile_many``) already keep the cores busy, and on 2 cores the
 # splitting only added work (cold plans 6 to 13% faster without it on 2 cores, the same plans and
-# XLA peaks: experiments/benchmarks/probe_options.py). Codegen comes after buffer assignment: the
-# figures are the same to the byte.
+# XLA peaks). Codegen comes after buffer assignment: the figures are the same to the byte.
+# An option the running XLA does not know is left out (``_compat.supported_compile_options``):
+# jaxlib 0.11 and later have no older emitters, and their probes compile with the default ones.
 PROBE_ONLY_CPU = {"xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
 PROBE_TOLERANCE = 1024  # bytes: a probe compile's peak may be this far under the default compile's
 
 
 def _options(purpose: str, mesh) -> dict | None:
     """Compiler options for a step compiled to run (``"run"``), for its figures (``"figures"``) or
-    as a probe (``"probe"``)."""
+    as a probe (``"probe"``): only those the running XLA knows, None for a default compile."""
     if purpose == "run":
         return None
-    cpu = purpose == "probe" and mesh.devices.flat[0].platform == "cpu"
-    return {**FIGURES_ONLY, **(PROBE_ONLY_CPU if cpu else {})}
+    platform = mesh.devices.flat[0].platform
+    cpu = purpose == "probe" and platform == "cpu"
+    return supported_compile_options({**FIGURES_ONLY, **(PROBE_ONLY_CPU if cpu else {})}, platform)
 
 
 @dataclasses.dataclass
