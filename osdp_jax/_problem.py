@@ -247,6 +247,9 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
                       in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),
                       last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint)
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
+    if 1 not in splits:  # a kernel that must split is gathered slice by slice, never whole with a unit
+        must_split = {path for (path, _), counts in ks.items() if counts}
+        problem = dataclasses.replace(problem, units={p: u for p, u in unit_of.items() if p not in must_split})
     options = []
     for i in infos:
         row = []
