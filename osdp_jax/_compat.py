@@ -77,3 +77,12 @@ def supported_xla_flags(flags: list[str]) -> list[str]:
     if accepted(flags):
         return list(flags)
     return [flag for flag in flags if accepted([flag])]
+
+
+def versions() -> str:
+    """The versions a figure was measured on, as one line: ``"jax 0.12.0.1, jaxlib 0.12.0.1, flax
+    0.12.12, optax 0.2.8, Python 3.13.0"``."""
+    from importlib.metadata import version
+    import platform
+    names = ("jax", "jaxlib", "flax", "optax")
+    return ", ".join(f"{name} {version(name)}" for name in names) + f", Python {platform.python_version()}"

@@ -5,7 +5,7 @@ hardware profile measured first (``osdp-jax profile``): plan, compile, train a f
 Prints a table and writes experiments/results/accuracy.md. Memory target: within 10%; step-time
 target: within 25%.
 
-Run: python experiments/benchmarks/accuracy.py [--steps 12]
+Run: python experiments/benchmarks/accuracy.py [--steps 12] [--out experiments/results/accuracy.md]
 """
 import argparse
 import dataclasses
@@ -20,6 +20,7 @@ import jax  # noqa: E402
 
 import osdp_jax  # noqa: E402
 from experiments import config, runner  # noqa: E402
+from osdp_jax._compat import versions  # noqa: E402
 from osdp_jax.hardware import profile, save  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini")
@@ -29,6 +30,7 @@ METHODS = (("DDP", ("replicate",)), ("FSDP", ("zero3",)), ("OSDP", ("replicate",
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="experiments/results/accuracy.md", help="the markdown file written")
     args = ap.parse_args()
     out = pathlib.Path("experiments/results")
     mesh = jax.make_mesh((8,), ("data",))
@@ -60,7 +62,8 @@ def main():
                     pred_peak=plan.predicted_peak_bytes, xla_peak=result["xla_peak_bytes"],
                     pred_step=plan.predicted_step_seconds, meas_step=plan.batch_size / result["samples_per_second"])))
     lines = ["# Cost-model accuracy on this machine (8 simulated CPU devices, measured profile)", "",
-             f"Made by `python experiments/benchmarks/accuracy.py --steps {args.steps}`. Measured hardware: "
+             f"Made by `python experiments/benchmarks/accuracy.py --steps {args.steps}` on {versions()}. "
+             "Measured hardware: "
              f"{hw.flops / 1e9:.1f} GFLOP/s per device, {hw.bandwidth / 1e9:.2f} GB/s, "
              f"{hw.latency * 1e6:.0f} us per collective. Peak: predicted by the cost model vs XLA's compiled "
              "figure. Step time: predicted vs measured (median of real steps after the first).", "",
@@ -77,7 +80,8 @@ def main():
         lines.append(f"| {name} | {label} | {method} | {m:.3f} | {t:.2f} |")
     lines += ["", f"Peak: largest error {max(mem_err):.1%}, median {statistics.median(mem_err):.1%} (target 10%).",
               f"Step time: largest error {max(time_err):.0%}, median {statistics.median(time_err):.0%} (target 25%)."]
-    (out / "accuracy.md").write_text("\n".join(lines) + "\n")
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -64,6 +64,7 @@ import optax  # noqa: E402
 import osdp_jax  # noqa: E402
 from experiments import config, runner, sweep  # noqa: E402
 from experiments.benchmarks import foreign  # noqa: E402
+from osdp_jax._compat import versions  # noqa: E402
 from osdp_jax.planning import clear_compiled, clear_probe_cache, compile_threads  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
@@ -200,7 +201,7 @@ def main():
              "Measured with `python experiments/benchmarks/planning_time.py"
              + (f" --segment-gain {args.segment_gain:g}` (each config's `plan.segment_gain` "
                 f"{args.segment_gain:g})" if args.segment_gain else "`")
-             + " on this 2-core machine, 8 simulated",
+             + f" on this 2-core machine ({versions()}), 8 simulated",
              "CPU devices, JAX's persistent compilation cache off. Ratios are `plan()` wall time over one compile",
              f"of the chosen train step (the median of {COMPILES} compiles), measured in the same run. Each config was",
              f"measured {args.repeats} times, every",
