@@ -32,17 +32,31 @@ def _spec_from_json(entries: list) -> P:
 
 
 def describe_segments(segments) -> str:
-    """``"layers 0-19 replicate, 20-47 zero3 k=2, remat=dots"`` (each segment's remat when they differ)."""
-    runs = []  # adjacent segments this parameter runs alike shown as one
+    """``"layers 0-19 replicate, 20-47 zero3 k=2, remat=dots"``: adjacent segments that run alike
+    (strategy, split count, remat policy, two-stage gather) shown as one, and each segment's remat
+    policy when they differ."""
+    runs = []
     for s in segments:
-        if runs and (runs[-1][2:]) == (s.strategy, s.split, s.remat):
+        if runs and tuple(runs[-1][2:]) == (s.strategy, s.split, s.remat, s.two_stage):
             runs[-1][1] = s.stop
         else:
-            runs.append([s.start, s.stop, s.strategy, s.split, s.remat])
+            runs.append([s.start, s.stop, s.strategy, s.split, s.remat, s.two_stage])
     one = len({r[4] for r in runs}) == 1
     parts = [(f"{a}-{b - 1}" if b - a > 1 else f"{a}") + f" {strategy}" + (f" k={k}" if k > 1 else "")
-             + ("" if one else f" remat={remat}") for a, b, strategy, k, remat in runs]
+             + (" 2-stage" if two_stage else "") + ("" if one else f" remat={remat}")
+             for a, b, strategy, k, remat, two_stage in runs]
     return "layers " + ", ".join(parts) + (f", remat={runs[0][4]}" if one else "")
+
+
+def _padding_helps(pp, devices: int) -> bool:
+    """Whether padding a parameter's first dimension to a multiple of ``devices`` is a sensible way
+    to shard it there: a matrix (a dense kernel or an embedding; in a layer stack, after the layer
+    axis) whose padding adds at most an eighth of its rows. Not a convolution kernel's spatial
+    dimension, nor a stack's layer count."""
+    dims = pp.shape[1:] if pp.in_loop else pp.shape
+    if len(dims) != 2 or dims[0] < devices:
+        return False
+    return (-dims[0]) % devices <= dims[0] / 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,17 +195,25 @@ class Plan:
         return dict(Counter(pp.strategy for pp in self.params))
 
     # --- text ----------------------------------------------------------------------------------
-    def summary(self) -> str:
-        """A table: one row per group of parameters with the same shape, dtype and strategy."""
+    def summary(self, group: bool = True) -> str:
+        """The plan as text: a table of the parameters, the layer stacks' segments, the units, the
+        batch size, the predicted and XLA peaks against the budget, and the predicted step time.
+
+        Args:
+          group: with True, one row per group of parameters that share a shape, dtype, strategy,
+            spec, split count and where they are gathered; the row is named by the group's first
+            parameter and ``(+N)`` others (``Plan.strategies`` gives each parameter's). With False,
+            one row per parameter.
+        """
         groups: dict[tuple, list[ParamPlan]] = {}
         for pp in self.params:
             mixed = len(pp.layer_segments()) > 1
-            groups.setdefault((pp.shape, pp.dtype, "segments" if mixed else pp.strategy,
-                               P() if mixed else pp.spec, pp.in_loop, 1 if mixed else pp.split, pp.two_stage,
-                               bool(pp.unit), pp.accumulate), []).append(pp)
+            key = (pp.shape, pp.dtype, "segments" if mixed else pp.strategy, P() if mixed else pp.spec,
+                   pp.in_loop, 1 if mixed else pp.split, pp.two_stage, bool(pp.unit), pp.accumulate)
+            groups.setdefault(key if group else (*key, pp.path), []).append(pp)
         rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
                  "bytes each")]
-        for (shape, dtype, strategy, spec, _, split, _, _, accumulate), pps in groups.items():
+        for (shape, dtype, strategy, spec, _, split, _, _, accumulate, *_), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
             where = "" if strategy in ("replicate", "zero2") else (
                 "per layer" if pps[0].in_loop else "per unit" if pps[0].unit else "per step")
@@ -227,7 +249,7 @@ class Plan:
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
         minor = [pp for pp in self.params if pp.strategy in GATHERED
-                 and sharded_dim(pp.spec) > (1 if pp.in_loop else 0)]
+                 and sharded_dim(pp.spec) > (1 if pp.in_loop else 0) and _padding_helps(pp, self.num_devices)]
         if minor:
             pp = minor[0]
             lines += ["", f"note: {len(minor)} sharded parameter(s) split along a later dimension because the "

@@ -634,12 +634,14 @@ PROGRESS_DELAY = 0.5  # seconds: a bar is drawn only for work that takes longer 
 
 
 def _progress(jobs, desc):
-    """``jobs`` under a tqdm bar, drawn once they take over :data:`PROGRESS_DELAY`."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency; planning works without it
-        return jobs
-    return tqdm(jobs, total=len(jobs), desc=desc, leave=False, disable=len(jobs) < 2, delay=PROGRESS_DELAY)
+    """``jobs`` under a tqdm bar, drawn once they take over :data:`PROGRESS_DELAY`; while it runs,
+    log records reach the console through ``tqdm.write`` (``logging_redirect_tqdm``), so a log line
+    never lands inside the bar."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm():
+        yield from tqdm(jobs, total=len(jobs), desc=desc, leave=False, disable=len(jobs) < 2, delay=PROGRESS_DELAY)
 
 
 def _candidate(size, sol, tables):
