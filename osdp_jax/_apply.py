@@ -1,8 +1,8 @@
 """Apply a plan: place parameters (and make a plan first when none is given)."""
 from __future__ import annotations
 
-from ._planner import plan as make_plan
-from .runtime.place import place
+from osdp_jax.planner.pipeline import plan as make_plan
+from osdp_jax.runtime.place import place
 
 
 def shard(params, mesh, plan=None, **plan_kwargs):

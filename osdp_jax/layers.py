@@ -26,8 +26,8 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from ._stack import REMAT_POLICIES, check_remat
-from .runtime.stack import StackView, scan
+from osdp_jax.core.stack import REMAT_POLICIES, check_remat
+from osdp_jax.runtime.stack import StackView, scan
 
 __all__ = ["NnxStack", "REMAT_POLICIES", "Stack", "StackView", "scan"]
 

@@ -13,7 +13,7 @@ unit's weights per step. Models need no change:
   swapped for a subclass whose ``__call__`` is the unit's, as PyTorch FSDP2's ``fully_shard`` does).
 - **plain JAX**: decorate a function of ``(params, *inputs)`` with :func:`unit`.
 
-Which submodules are units (``osdp_jax._unit_policy``): by default the model's layer list (linen
+Which submodules are units (``osdp_jax.planner.unit_policy``): by default the model's layer list (linen
 submodules named ``<name>_<number>`` with a sibling of the same name, nnx modules in a list), and,
 in a model without layer stacks, any other submodule holding at least 1/8 of the parameter
 bytes; the outermost of nested ones.
@@ -37,11 +37,11 @@ import types
 import jax
 from flax import nnx
 
-from ._describe import describe
-from ._discover import find as discover
-from ._unit_policy import DEFAULT_SHARE, choose, from_found
-from .runtime import units as _runtime
-from .runtime.context import ACTIVE
+from osdp_jax.core.describe import describe
+from osdp_jax.planner.discover import find as discover
+from osdp_jax.planner.unit_policy import DEFAULT_SHARE, choose, from_found
+from osdp_jax.runtime import units as _runtime
+from osdp_jax.runtime.context import ACTIVE
 
 __all__ = ["DEFAULT_SHARE", "find", "mark", "unit"]
 

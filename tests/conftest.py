@@ -40,7 +40,7 @@ import os
 import shutil
 import tempfile
 
-from osdp_jax._compat import supported_compile_options, supported_xla_flags  # imports jax, starts no backend
+from osdp_jax.core.compat import supported_compile_options, supported_xla_flags  # imports jax, starts no backend
 
 # The suite's XLA flags (module docstring); those the installed XLA does not know are left out, as
 # XLA aborts a process on an unknown flag (jaxlib 0.11 and later have no older emitters).
@@ -59,7 +59,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments.config import PlanConfig  # noqa: E402
+from osdp_jax.cli.config import PlanConfig  # noqa: E402
 
 # the CLI's default folder, under this home; probe figures kept in the process only, so that a
 # test's compile counts do not depend on which tests planned the same probes before it
@@ -78,7 +78,7 @@ def mesh():
 def _no_probe_store():
     """No test leaves the probe store on for the next (``cli.main`` run in the test's process turns
     it on, as the CLI does; tests of the store turn it on themselves)."""
-    from osdp_jax import _probe_store
+    from osdp_jax.planner import probe_store as _probe_store
     yield
     _probe_store.disable()
 

@@ -3,9 +3,9 @@ in-process records that make planning again cheap (``_discover.find``, ``profile
 import jax
 import optax
 import pytest
+import toy
 
 import osdp_jax
-import toy
 from osdp_jax.planning import clear_compiled, clear_probe_cache, compile_ahead
 from osdp_jax.runtime.step import compile_count
 
@@ -42,7 +42,7 @@ def test_plan_budgets_gives_plan_at_each_budget_with_the_later_compiles_done_ahe
     of compiles in all: the later budgets' drafts are compiled ahead, and a later plan that is its
     draft compiles nothing itself. ``compile_ahead`` compiles each layout once, and none that is
     kept; ``plan()`` then finds it."""
-    from osdp_jax import _budgets
+    from osdp_jax.planner import budgets as _budgets
     params, kw, budgets = _setup(mesh)
     ahead = []
     monkeypatch.setattr(_budgets, "compile_ahead", lambda *a, **k: ahead.append(compile_ahead(*a, **k)))
@@ -72,7 +72,7 @@ def test_plan_budgets_gives_plan_at_each_budget_with_the_later_compiles_done_ahe
     assert compile_ahead(params, mesh, drafts + drafts, **kw) == 2  # each once (the probes' steps forgotten too)
     assert compile_ahead(params, mesh, drafts) == 0
     assert compile_ahead(params, mesh, drafts, **{**kw, "batch_sizes": (8,)}) == 0  # each plan at its own size
-    from osdp_jax import _xla
+    from osdp_jax.core import xla as _xla
     reads, read = [], _xla._profile
     monkeypatch.setattr(_xla, "_profile", lambda *a: reads.append(a) or read(*a))
     assert osdp_jax.plan(params, mesh, budget=budgets[1], **kw).compiles == 0
@@ -105,7 +105,7 @@ def test_a_loss_is_traced_once_per_shapes_for_discovery():
     """``_discover.find`` keeps what tracing a loss found, per function object and argument
     shapes; other shapes trace again, ``clear_probe_cache`` forgets it, and a batch leaf without
     a dtype is traced each time rather than failing."""
-    from osdp_jax._discover import find
+    from osdp_jax.planner.discover import find
     params, tokens = toy.plain_params(), toy.tokens(32)
     traced = []
 

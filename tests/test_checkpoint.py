@@ -18,8 +18,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-from experiments import cli, config, runner
-from experiments.checkpoint import Checkpoints, fingerprint
+from osdp_jax.cli import config, runner
+from osdp_jax.cli import main as cli
+from osdp_jax.cli.checkpoint import Checkpoints, fingerprint
 
 CONFIG = "experiments/gpt2_mini.toml"
 ARGS = ["--steps", "12", "--checkpoint-every", "3", "--plan.batch_sizes=32", "--budget", "1.35MiB"]
@@ -76,13 +77,13 @@ def _run_killed(out, kill_code: str, plan_file=None, args=ARGS, setup_code=""):
            f"plan=osdp_jax.Plan.from_json(open({str(plan_file)!r}).read()), progress=False)")
     script = "\n".join([
         "import os, pathlib, signal, sys",
-        # the session's flags (conftest): a run compiled otherwise rounds otherwise
+        # the test run's flags (conftest): a run compiled otherwise rounds otherwise
         'os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"',
         "import jax",
         'jax.config.update("jax_num_cpu_devices", 8)',
         f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})",
         "import osdp_jax",
-        "from experiments import cli, runner",
+        "from osdp_jax.cli import main as cli, runner",
         "from test_checkpoint import _setup",
         "def die():",
         "    os.kill(os.getpid(), signal.SIGKILL)",
@@ -291,7 +292,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, caps
         s.abstract_params(), s.mesh, budget="1GB", batch=s.abstract_batch(32), optimizer=s.optimizer))
     code = cli.main(["train", CONFIG, "--out", str(out), "--steps", "30", "--checkpoint-every", "1",
                      "--plan.batch_sizes=32", "--optim.name=sgd", "--optim.learning_rate=1e12"])
-    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("osdp-jax: error")]
+    err = [line for line in capsys.readouterr().err.replace("\r",
+                                                            "\n").splitlines() if line.startswith("osdp-jax: error")]
     assert code == 2 and len(err) == 1
     err = err[0]
     assert "training diverged" in err and "last good checkpoint, step" in err

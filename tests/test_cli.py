@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from experiments import cli
+from osdp_jax.cli import main as cli
 
 # gpt2 in the default run; the other two (same code path, ~25 s each) with -m slow
 MINI = ["experiments/gpt2_mini.toml",
@@ -37,7 +37,7 @@ def _train_under_the_saved_plan(config, run, tmp_path, capsys):
     """``train --plan-file`` with the plan a run wrote: nothing is planned and the losses are the
     run's, bit for bit; a plan that is not this config's (unreadable, another model's shapes, another
     mesh) is one line, exit 2, and nothing written."""
-    from experiments import runner
+    from osdp_jax.cli import runner
 
     def no_planning(*args, **kwargs):
         raise AssertionError("planned, with a plan file given")
@@ -171,7 +171,7 @@ def test_compilation_cache_config_key(tmp_path):
     import sys
     cache = tmp_path / "xla"
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    cmd = [sys.executable, "-m", "experiments.cli", "plan", "experiments/gpt2_mini.toml", "--plan.batch_sizes=32",
+    cmd = [sys.executable, "-m", "osdp_jax.cli.main", "plan", "experiments/gpt2_mini.toml", "--plan.batch_sizes=32",
            "--plan.splits=1", "--plan.remat=full", f"--plan.compilation_cache={cache}", "--out", str(tmp_path / "p")]
     for run in range(2):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -194,7 +194,7 @@ def test_compilation_cache_config_key(tmp_path):
 def test_budget_sweep_table_and_plot(tmp_path):
     """The sweep's table and figure from rows (no planning): one column per method, '-' where a
     method does not fit, the budgets no method meets shaded."""
-    from experiments.sweep import parse_budgets, plot_sweep, sweep_markdown
+    from osdp_jax.cli.sweep import parse_budgets, plot_sweep, sweep_markdown
     rows = [{"budget_bytes": b * 2**30, "method": m, "fits": fits, "predicted_samples_per_second": sps,
              "planning_seconds": 1.0}
             for b, m, fits, sps in [(4, "DDP", False, None), (4, "FSDP", False, None), (4, "OSDP", False, None),
@@ -224,7 +224,7 @@ def test_budget_sweep_bad_budget_is_one_line(tmp_path, capsys, budgets):
     err = capsys.readouterr().err.strip()
     assert err.startswith("osdp-jax: error: config error: --budgets:") and len(err.splitlines()) == 1
     assert not (tmp_path / "s").exists()
-    from experiments.sweep import parse_budgets
+    from osdp_jax.cli.sweep import parse_budgets
     assert parse_budgets("4MiB,2MiB,") == ["2MiB", "4MiB"]
 
 

@@ -1,9 +1,9 @@
-"""The compatibility readers (``osdp_jax._compat``) on the installed JAX: CI runs this module on the
+"""The compatibility readers (``osdp_jax.core.compat``) on the installed JAX: CI runs this module on the
 oldest and the newest JAX the package supports."""
 import jax
 import jax.numpy as jnp
 
-from osdp_jax._compat import scan_operand_counts, supported_compile_options, supported_xla_flags
+from osdp_jax.core.compat import scan_operand_counts, supported_compile_options, supported_xla_flags
 
 
 def _scan_params(fn, *args):
@@ -31,7 +31,8 @@ def test_scan_operand_counts_split_constants_carry_and_xs():
 
 
 def test_scan_without_constants():
-    eqn, params = _scan_params(lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c), c, xs), jnp.zeros(3), jnp.ones((2, 3)))
+    eqn, params = _scan_params(lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c), c, xs), jnp.zeros(3), jnp.ones((2,
+                                                                                                                   3)))
     assert scan_operand_counts(params) == (0, 1)
 
 

@@ -3,8 +3,8 @@ import pathlib
 
 import pytest
 
-from experiments import config
-from experiments.config import ConfigError
+from osdp_jax.cli import config
+from osdp_jax.cli.config import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "experiments").rglob("*.toml"))
@@ -33,8 +33,10 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plann]\nbudget = "1GB"\n', r"\[plann\]: unknown section; did you mean \[plan\]"),
     ('[model]\npreset = "gpt2-mini"\n[train]\nsteps = "ten"\n', r"train\.steps: expected int, got str"),
     ('[model]\npreset = "gpt2-mni"\n', r"model\.preset: unknown preset 'gpt2-mni'; did you mean 'gpt2-mini'"),
-    ('[model]\npreset = "gpt2-mini"\n[mesh]\nshape = [2, 4]\naxes = ["data"]\n', r"mesh\.shape: \[2, 4\] and mesh\.axes"),
-    ('[model]\npreset = "gpt2-mini"\n[plan]\nbatch_sizes = [12]\n', r"plan\.batch_sizes: 12 is not a positive multiple of the mesh's 8"),
+    ('[model]\npreset = "gpt2-mini"\n[mesh]\nshape = [2, 4]\naxes = ["data"]\n',
+     r"mesh\.shape: \[2, 4\] and mesh\.axes"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nbatch_sizes = [12]\n',
+     r"plan\.batch_sizes: 12 is not a positive multiple of the mesh's 8"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nbudget = "lots"\n', r"plan\.budget: invalid byte size"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nsplits = [0, 2]\n', r"plan\.splits: splits must be positive integers"),
     ('[model]\npreset = "gpt2-mini"\n[train]\ncheckpoint_every = -1\n', r"train\.checkpoint_every: must be >= 0"),
@@ -44,9 +46,11 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\nremat = ["dot"]\n', r"plan\.remat: unknown remat policy 'dot'"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nremat = []\n', r"plan\.remat: give at least one remat policy"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nper_layer = "yes"\n', r"plan\.per_layer: expected bool"),
-    ('[model]\npreset = "gpt2-mini"\n[plan]\nunits = ["auto", "blocks_*"]\n', r"plan\.units: 'auto' .* cannot be combined"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nunits = ["auto", "blocks_*"]\n',
+     r"plan\.units: 'auto' .* cannot be combined"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nunit_remat = "dot"\n', r"plan\.unit_remat: unknown remat policy 'dot'"),
-    ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n', r"plan\.segment_gain: segment_gain must be a number >= 0"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n',
+     r"plan\.segment_gain: segment_gain must be a number >= 0"),
 ])
 def test_bad_configs(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -69,5 +73,6 @@ def test_overrides_are_typed(tmp_path):
     # lists as TOML writes them too
     cfg = config.load(path, {"plan.batch_sizes": "[16, 32]", "plan.strategies": '["zero3", "hsdp"]'})
     assert cfg.plan.batch_sizes == (16, 32) and cfg.plan.strategies == ("zero3", "hsdp")
-    with pytest.raises(ConfigError, match=r"--mesh\.shape \(a comma-separated list, e\.g\. 2,4\): expected int, got 'x'"):
+    with pytest.raises(ConfigError,
+                       match=r"--mesh\.shape \(a comma-separated list, e\.g\. 2,4\): expected int, got 'x'"):
         config.load(path, {"mesh.shape": "2,x"})

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from experiments import data
+from osdp_jax.cli import data
 
 
 def test_addition_sequences_are_correct_and_deterministic():

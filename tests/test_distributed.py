@@ -11,10 +11,12 @@ import time
 import pytest
 
 import osdp_jax
-from experiments import cli, config, runner
+from osdp_jax.cli import config, runner
+from osdp_jax.cli import main as cli
 
 CONFIG = "experiments/gpt2_mini.toml"
-FLAGS = ["--plan.batch_sizes=32", "--plan.splits=1", "--plan.remat=full"]  # what these tests are about needs no searched remat
+# what these tests are about needs no searched remat
+FLAGS = ["--plan.batch_sizes=32", "--plan.splits=1", "--plan.remat=full"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,7 +28,7 @@ def _losses(run):
 def test_a_killed_peer_stops_the_run_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "experiments.cli", "launch", "--processes", "2", CONFIG, "--steps", "100000",
+        [sys.executable, "-m", "osdp_jax.cli.main", "launch", "--processes", "2", CONFIG, "--steps", "100000",
          "--out", str(out), *FLAGS], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     pids, lines = {}, []
     deadline = time.monotonic() + 300
@@ -81,7 +83,7 @@ def test_a_peer_that_never_shows_up_stops_the_process():
     """Process 0 of 2 alone: it says what it waits for, and stops after its join timeout (2 s
     here; 60 s by default) instead of waiting forever. jax's coordination client aborts the
     process (DEADLINE_EXCEEDED) rather than raising, so the status is a signal, not an exception."""
-    code = ("from experiments import distributed as d\n"
+    code = ("from osdp_jax.cli import distributed as d\n"
             "d.initialize(f'127.0.0.1:{d.free_port()}', 2, 0, timeout_s=2)\n"
             "print('joined')\n")
     start = time.monotonic()
@@ -113,7 +115,7 @@ def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
     equal one process with 8 devices under the same plan."""
     out, one = tmp_path / "two", tmp_path / "one"
     launcher = _start_and_wait_for_steps(
-        [sys.executable, "-m", "experiments.cli", "launch", "--processes", "2", CONFIG, "--steps", "100000",
+        [sys.executable, "-m", "osdp_jax.cli.main", "launch", "--processes", "2", CONFIG, "--steps", "100000",
          "--out", str(out), *FLAGS], out)
     launcher.send_signal(signal.SIGTERM)
     err = launcher.communicate(timeout=120)[1]
@@ -138,7 +140,7 @@ def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
 def test_a_second_signal_exits_at_once_and_keeps_the_checkpoints(tmp_path):
     out = tmp_path / "run"
     proc = _start_and_wait_for_steps(
-        [sys.executable, "-m", "experiments.cli", "train", CONFIG, "--steps", "100000", "--checkpoint-every", "1",
+        [sys.executable, "-m", "osdp_jax.cli.main", "train", CONFIG, "--steps", "100000", "--checkpoint-every", "1",
          "--out", str(out), *FLAGS], out, steps=3)
     # step 3's metrics come before its checkpoint is final (orbax renames it to "3" when it is):
     # a second signal may cut short the one being written, never one already written
@@ -152,7 +154,7 @@ def test_a_second_signal_exits_at_once_and_keeps_the_checkpoints(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "second SIGTERM: exiting at once" in err or "interrupted by SIGTERM" in err, err[-2000:]
     # whatever was cut short, the newest complete checkpoint resumes
-    from experiments.checkpoint import Checkpoints
+    from osdp_jax.cli.checkpoint import Checkpoints
     latest = Checkpoints(out / "checkpoints").latest()
     assert latest >= 3
     assert cli.main(["train", CONFIG, "--steps", str(latest + 2), "--out", str(out), *FLAGS, "--resume"]) == 0

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 
 import osdp_jax
-from osdp_jax._describe import path_name
-import toy
-from experiments import config
+from osdp_jax.cli import config
+from osdp_jax.core.describe import path_name
 
 
 def _bf16_reference(params, loss_fn, opt, batch, sharded_paths, steps):
@@ -82,7 +82,8 @@ def test_bad_compute_dtype_is_one_clear_error(mesh):
         osdp_jax.Layout.fsdp(params, mesh, gather_dtype="bf17")
     with pytest.raises(ValueError, match="compute_dtype"):
         config.load("experiments/gpt2_mini.toml", {"plan.compute_dtype": "int8"})
-    assert config.load("experiments/gpt2_mini.toml", {"plan.compute_dtype": "bfloat16"}).plan.compute_dtype == "bfloat16"
+    assert config.load("experiments/gpt2_mini.toml",
+                       {"plan.compute_dtype": "bfloat16"}).plan.compute_dtype == "bfloat16"
 
 
 def test_models_compute_in_bfloat16_on_float32_masters(monkeypatch):
@@ -91,8 +92,8 @@ def test_models_compute_in_bfloat16_on_float32_masters(monkeypatch):
     bfloat16 too."""
     import dataclasses
 
-    import models
-    from experiments import runner
+    from osdp_jax import models
+    from osdp_jax.cli import runner
     module, cfg, _ = models.get("gpt2-mini")
     params = models.init_params(module, 16, seed=0)
     batch = toy.lm_batch(cfg.vocab_size, 8, 16)

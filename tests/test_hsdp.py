@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-import toy
 from osdp_jax import Layout, compile_step, profile_compiled
 from osdp_jax.runtime.step import build_step
 

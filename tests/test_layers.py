@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import models
 import osdp_jax
-import toy
-from osdp_jax import Layout, Segment
-from osdp_jax._strategies import spec_for
+from osdp_jax import Layout, Segment, models
+from osdp_jax.core.describe import flat_params
+from osdp_jax.core.strategies import spec_for
 from osdp_jax.planning import ProbeKind, RecordedCalibrator
 
 STACK_PROBES = pathlib.Path(__file__).parent / "data" / "stack_probes.json"  # tests/data/make_recorded_probes.py
@@ -68,12 +68,12 @@ def test_segments_with_different_strategies_splits_and_remat_train_like_one_devi
     state = osdp_jax.init_opt_state(opt, sharded, layout, mesh)
     if preset == "bert-mini":  # layer 0 zero2: the parameter whole, its Adam moments sharded
         kernel = sorted(p for p in in_loop if segs[p][0].strategy == "zero2")[0]
-        assert osdp_jax.flat_params(sharded)[kernel].parts[0].sharding.spec == P()
-        assert osdp_jax.flat_params(state[0].mu)[kernel].parts[0].sharding.spec != P()
+        assert flat_params(sharded)[kernel].parts[0].sharding.spec == P()
+        assert flat_params(state[0].mu)[kernel].parts[0].sharding.spec != P()
     hlo = osdp_jax.make_train_step(loss_fn, opt, layout, mesh).lower(sharded, state, batch).compile().as_text()
     assert "all-gather" in hlo and "reduce-scatter" in hlo
     losses, sharded, _ = toy.sharded_run(params, loss_fn, opt, layout, mesh, batch, 3)
-    kernel = osdp_jax.flat_params(sharded)[sorted(in_loop)[0]]
+    kernel = flat_params(sharded)[sorted(in_loop)[0]]
     assert isinstance(kernel, osdp_jax.Segmented) and kernel.bounds == ((0, 1), (1, 2), (2, 3))
     toy.assert_matches_single_device(losses, sharded, params, loss_fn, opt, batch, rtol=1e-4)
 
@@ -188,7 +188,7 @@ def test_plan_segments_round_trip_and_summary():
     back = osdp_jax.Plan.from_json(plan.to_json())
     assert back.segments == plan.segments and back.params[0].segments == pp.segments
     assert "s/layers/w: layers 0-19 replicate, 20-47 zero3 k=2, remat=dots" in plan.summary()
-    assert json.loads(plan.to_json())["format"] == osdp_jax._plan.PLAN_FORMAT == 6
+    assert json.loads(plan.to_json())["format"] == osdp_jax.core.plan.PLAN_FORMAT == 6
     old = json.loads(plan.to_json())
     old["format"] = 2
     for p in old["params"]:
@@ -214,8 +214,6 @@ def test_layout_and_stack_errors_are_one_clear_line(mesh):
     step = osdp_jax.make_train_step(misuse, optax.sgd(0.1), layout, mesh)
     with pytest.raises(TypeError, match="'s/w' is a layer stack.*osdp_jax.layers.scan"):
         step(sharded, osdp_jax.init_opt_state(optax.sgd(0.1), sharded, layout, mesh), jnp.ones((8, 2)))
-    with pytest.raises(TypeError, match="gather_params was replaced by osdp_jax.layers.scan"):
-        osdp_jax.discover(lambda p, b: osdp_jax.gather_params(p)["s"]["w"].sum(), params, jnp.ones((8, 2)))
 
 
 def _recorded_plan(budget, **kw):
@@ -254,7 +252,7 @@ def test_a_segment_gain_takes_the_one_segment_plan_unless_each_segment_brings_it
     under that factor the per-layer plan stays, just over it the one-segment plan is taken
     (unverified plans and verified ones are weighed the same way, ``_planner._fastest``). 0, the
     default, is the fastest plan; a negative or non-numeric gain is one clear error."""
-    from osdp_jax._planner import _extra_loops
+    from osdp_jax.planner.pipeline import _extra_loops
     uniform_peaks = sorted({_recorded_plan(int(m * 2**20), per_layer=False, remat=("full",)).predicted_peak_bytes
                             for m in np.arange(3.0, 8.0, 0.5)})
     budget = next(int((lo + hi) / 2) for lo, hi in zip(uniform_peaks, uniform_peaks[1:]) if hi - lo >= 2**18)
@@ -285,8 +283,8 @@ def test_remat_and_split_probes_run_at_the_largest_batch_size_only(monkeypatch):
     the batch, the split's saving per byte (sigma) as it is; the other probes run at both ends.
     With the cut undone, every kind runs at both and the smallest size's terms are its own
     probes'."""
-    from osdp_jax import _calibration
-    from osdp_jax._loss import PlainLoss
+    from osdp_jax.planner import calibration as _calibration
+    from osdp_jax.planner.loss import PlainLoss
     _, params, loss_fn, batch = toy.stack_setup()
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     loss = PlainLoss.of(loss_fn, False, False, None)
@@ -321,8 +319,8 @@ def test_remat_and_split_probes_run_at_the_largest_batch_size_only(monkeypatch):
     share = sum((1 - 1 / k) * i.nbytes for i in problem.infos if (k := step.get(i.path)))
     assert c[64].tau == 1_000 / share and c[16].tau is None and c[16].step_split_saving == c[16].zeta
     assert c[32].tau == min(c[16].zeta + (c[64].tau - c[16].zeta) / 3, c[32].zeta) < c[32].zeta
-    opt_bytes, other = osdp_jax._cost.optimizer_bytes(optax.adam(1e-3), params)
-    t = osdp_jax._cost.cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other,
+    opt_bytes, other = osdp_jax.planner.cost.optimizer_bytes(optax.adam(1e-3), params)
+    t = osdp_jax.planner.cost.cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other,
                                    problem.topo, hw, 0, c[64], problem.in_loop)
     head = [i.path for i in problem.infos].index("lm_head/kernel")
     p_head = problem.infos[head].nbytes
@@ -347,7 +345,8 @@ def test_per_step_splits_are_searched_only_where_they_can_matter(monkeypatch, ca
     SPLIT_STEP probe is compiled and the head may split; under it, neither: no probe, and no
     split column offered for the head."""
     import logging
-    from osdp_jax import _planner
+
+    from osdp_jax.planner import pipeline as _planner
     _, params, _, _ = toy.stack_setup()
     budget = 5 * 2**20
     most = (1 - 1 / 4) * 64 * 16 * 4  # bytes: lm_head/kernel (64, 16) float32 at k = 4
@@ -358,7 +357,8 @@ def test_per_step_splits_are_searched_only_where_they_can_matter(monkeypatch, ca
             asked.append(kind.value)
             return super().profile(problem, kind, batch, splits, timed)
 
-    monkeypatch.setattr(RecordedCalibrator, "from_json", classmethod(lambda cls, path: Spy(json.loads(path.read_text()))))
+    monkeypatch.setattr(RecordedCalibrator, "from_json", classmethod(lambda cls,
+                                                                     path: Spy(json.loads(path.read_text()))))
     for share, probed in ((0.99 * most / budget, True), (1.01 * most / budget, False)):
         monkeypatch.setattr(_planner, "STEP_SPLIT_SHARE", share)
         asked.clear()
@@ -454,7 +454,7 @@ def _scan_xs(p, x, t):
 ], ids=["scan-xs", "fori-index", "fori-carry", "cast-then-scan", "jit", "remat-body", "embedding-in-loop",
         "weight-in-loop", "no-loop"])
 def test_parameters_a_loop_of_the_models_own_slices_are_found(loss, looped):
-    from osdp_jax._discover import looped_params
+    from osdp_jax.planner.discover import looped_params
     jaxpr = jax.make_jaxpr(loss)(_LOOP_PARAMS, jnp.ones((8, _D)), jnp.zeros((8, 6), jnp.int32)).jaxpr
     assert looped_params(jaxpr, sorted(_LOOP_PARAMS)) == looped
 

@@ -6,10 +6,10 @@ import jax
 import numpy as np
 import optax
 import pytest
+import toy
 
 import osdp_jax
-import toy
-from osdp_jax._strategies import spec_for
+from osdp_jax.core.strategies import spec_for
 
 
 def _mixed(params, mesh):
@@ -26,7 +26,8 @@ def _summed_the_other_way(params, mesh):
     layout = _mixed(params, mesh)
     flip = {pl.path: "whole" for pl in layout.params if pl.strategy != "replicate"}
     return osdp_jax.Layout.from_specs(params, mesh, layout.specs_by_path,
-                                      zero2=[pl.path for pl in layout.params if pl.strategy == "zero2"], accumulate=flip)
+                                      zero2=[pl.path for pl in layout.params if pl.strategy == "zero2"],
+                                      accumulate=flip)
 
 
 def _run(params, loss_fn, layout, mesh, batch, m, steps=3):
@@ -95,11 +96,12 @@ def test_the_search_chooses_where_each_gradient_is_summed(mesh, strategy, budget
     """Between the peaks of summing every gradient whole and in its shard (4 microbatches, an
     einsum LM written elsewhere), the search mixes the two, the plan fits by XLA, is predicted
     within 10%, and says so in its summary and its JSON."""
-    from experiments.benchmarks import foreign
+    import foreign
     params, loss_fn, batch = foreign.einsum_lm(layers=2, d=128, batch=64)
     plan = osdp_jax.plan(params, mesh, budget=budget, loss_fn=loss_fn, batch=batch, optimizer=optax.adam(1e-3),
                          batch_sizes=(64,), splits=(1,), units=(), microbatches=(4,), strategies=(strategy,))
-    summed = {osdp_jax.strategies.accumulation(pp.strategy, pp.accumulate) for pp in plan.params if pp.strategy == strategy}
+    summed = {osdp_jax.strategies.accumulation(pp.strategy,
+                                               pp.accumulate) for pp in plan.params if pp.strategy == strategy}
     assert summed == {"shard", "whole"}, plan.summary()
     assert plan.xla_peak_bytes <= budget
     assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, plan.summary()
@@ -134,11 +136,12 @@ def test_bad_microbatches_are_one_clear_error(mesh):
     p = osdp_jax.shard(params, mesh, layout)
     with pytest.raises(ValueError, match="not divisible into 3 microbatches"):
         step(p, osdp_jax.init_opt_state(optax.sgd(0.1), p, layout, mesh), toy.tokens(32))
-    from experiments import config
+    from osdp_jax.cli import config
     assert config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "1,2"}).plan.microbatches == (1, 2)
     with pytest.raises(config.ConfigError, match=r"plan.microbatches: microbatches must be positive integers"):
         config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "0"})
-    with pytest.raises(config.ConfigError, match=r"plan.microbatches: no batch size of \[32\] splits into 8 devices x any of"):
+    with pytest.raises(config.ConfigError,
+                       match=r"plan.microbatches: no batch size of \[32\] splits into 8 devices x any of"):
         config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "3", "plan.batch_sizes": "32"})
 
 

@@ -4,13 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import models
-import osdp_jax
 import toy
-from models.common import Block, TransformerConfig
-from osdp_jax import Layout, discover, profile_step
-from osdp_jax._strategies import spec_for
+
+import osdp_jax
+from osdp_jax import Layout, discover, models, profile_step
+from osdp_jax.core.strategies import spec_for
+from osdp_jax.models.common import Block, TransformerConfig
 from osdp_jax.runtime.step import build_step
 
 

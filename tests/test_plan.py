@@ -5,11 +5,11 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+import toy
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-from osdp_jax import _planner
-import toy
+from osdp_jax.planner import pipeline as _planner
 
 
 def check_prediction(plan):
@@ -31,7 +31,7 @@ def test_generous_budget_replicates_everything(mesh, setup, monkeypatch):
     thread; on more, those already compiling finish), the probe's figures verifying it. Planned
     with every probe, the same plan and figures (four compiles: the all-replicated and all-zero3
     probes at both batch sizes)."""
-    from osdp_jax._calibration import XlaCalibrator
+    from osdp_jax.planner.calibration import XlaCalibrator
     params, loss_fn, batch, opt = setup
     kw = dict(budget="64GB", loss_fn=loss_fn, batch=batch, optimizer=opt, batch_sizes=(16, 32))
     one = XlaCalibrator(loss_fn, opt, params, mesh, 2**40, threads=1)
@@ -180,7 +180,8 @@ def test_params_or_a_mesh_other_than_planned_are_one_clear_error(mesh, setup):
     four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     for call in (lambda: osdp_jax.shard(params, four, plan), lambda: osdp_jax.init_opt_state(opt, params, plan, four),
                  lambda: osdp_jax.make_train_step(toy.plain_loss, opt, plan, four)):
-        with pytest.raises(ValueError, match=r"made for 8 data-parallel devices on axes \['data'\], but this mesh has 4"):
+        with pytest.raises(ValueError,
+                           match=r"made for 8 data-parallel devices on axes \['data'\], but this mesh has 4"):
             call()
     with pytest.raises(ValueError, match=r"shards over mesh axes \['data'\], but the mesh has axes \['batch'\]"):
         osdp_jax.shard(params, jax.make_mesh((8,), ("batch",)), plan)
@@ -274,7 +275,7 @@ def test_summary_names_parameters_sharded_along_a_later_dimension(mesh):
 
 
 def test_fit_time_recovers_scales():
-    from osdp_jax._cost import fit_time
+    from osdp_jax.planner.cost import fit_time
     # seconds = 3 x compute + 0.5 x collectives, two probes that weigh them differently
     runs = [(3 * c + 0.5 * m, c, m) for c, m in ((1.0, 4.0), (1.2, 0.5))]
     assert fit_time(runs) == pytest.approx((3.0, 0.5))
@@ -328,7 +329,8 @@ def test_training_reuses_the_verification_compile(mesh):
     fresh compile computes. By default (``verify=True``) the plan is compiled for its figures only,
     as a probe: the same plan, its XLA peak within ``PROBE_TOLERANCE`` of the full compile's,
     nothing kept to run, and make_train_step compiles the step."""
-    from experiments.benchmarks import foreign
+    import foreign
+
     from osdp_jax.runtime import step as st
     from osdp_jax.runtime.step import clear_compiled
     params, loss_fn, batch = foreign.plain_mlp()
@@ -365,8 +367,9 @@ def test_the_probes_with_and_without_units_compile_in_one_batch(mesh, monkeypatc
     compile threads (the layouts they share once), and each problem's calibration then finds its
     own kept. The plan, its XLA peak and its compile count are those of probing one problem after
     the other."""
-    from experiments.benchmarks import foreign
-    from osdp_jax import _calibration
+    import foreign
+
+    from osdp_jax.planner import calibration as _calibration
     from osdp_jax.planning import clear_compiled, clear_probe_cache
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
@@ -393,7 +396,8 @@ def test_a_plan_checked_over_the_budget_is_not_compiled_in_full(mesh):
     """``profile_checked`` compiles a step as a probe first: over the budget, that is its only
     compile (nothing kept for training); within it, the step is compiled in full too, from the
     same trace, kept, and the full compile's figures are returned."""
-    from experiments.benchmarks import foreign
+    import foreign
+
     from osdp_jax.runtime import step as st
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
@@ -416,8 +420,9 @@ def test_only_a_plan_predicted_near_its_budget_is_checked_as_a_probe_first(mesh,
     """With ``verify="full"``, a plan predicted above ``CHECK_ABOVE`` of its budget is compiled as a probe, then in full
     (two compiles); one predicted below it in full at once (one compile): a miss there would be a
     model error over 10%. Either way the same plan, XLA peak, and executable for training."""
-    from experiments.benchmarks import foreign
-    from osdp_jax import _planner
+    import foreign
+
+    from osdp_jax.planner import pipeline as _planner
     from osdp_jax.runtime.step import clear_compiled
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
@@ -440,8 +445,9 @@ def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(me
     """A step compiled without the backend's LLVM optimisation (``FIGURES_ONLY``): XLA's memory
     figures and cost analysis are the same as a fully optimised compile's, on a layer stack with
     remat and on an unrolled model with units; a probe (``PROBE_ONLY_CPU`` too) is within 1 KiB."""
-    from experiments.benchmarks import foreign
-    from osdp_jax._compat import supported_compile_options
+    import foreign
+
+    from osdp_jax.core.compat import supported_compile_options
     from osdp_jax.runtime.step import FIGURES_ONLY, PROBE_TOLERANCE, _options, abstract_args, build_step, jit_step
     _, stack, stack_loss, stack_batch = toy.stack_setup(n_layer=2, batch=32)
     lm, lm_loss, lm_batch = foreign.einsum_lm(layers=2)
@@ -464,13 +470,15 @@ def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(me
         assert _options("probe", mesh) != FIGURES_ONLY
         assert (probe.argument_bytes, probe.output_bytes, probe.alias_bytes) == (
             full.argument_bytes, full.output_bytes, full.alias_bytes)
-        assert abs(probe.temp_bytes - full.temp_bytes) <= PROBE_TOLERANCE and probe.flops == pytest.approx(full.flops, rel=1e-3)
+        assert abs(probe.temp_bytes - full.temp_bytes) <= PROBE_TOLERANCE and probe.flops == pytest.approx(full.flops,
+                                                                                                           rel=1e-3)
 
 
 def test_probes_compiled_on_worker_threads_each_get_their_own_figures(mesh):
     """``compile_many`` lowers in order and compiles on worker threads: each step's figures are
     those of compiling it alone, the compiles are counted, and their seconds are wall clock."""
-    from experiments.benchmarks import foreign
+    import foreign
+
     from osdp_jax.runtime.step import clear_compiled, compile_count, compile_counted, compile_many, compile_seconds
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
@@ -504,7 +512,8 @@ def test_verifying_for_the_figures_only_gives_the_same_plan(mesh):
     """``verify="figures"`` (as the default ``True``) compiles the chosen plan for XLA's figures
     only: the same plan and XLA peak as a full verification (``"full"``), but no executable kept
     for training; a bad value is one error."""
-    from experiments.benchmarks import foreign
+    import foreign
+
     from osdp_jax.runtime.step import clear_compiled
     params, loss_fn, batch = foreign.plain_mlp()
     opt = optax.adam(1e-3)
@@ -535,7 +544,7 @@ def test_a_loss_written_again_finds_its_probes(mesh):
     different for another literal, another small constant's value, another batch shape, another
     output structure or a custom rule defined elsewhere; equal
     for a large constant of another value (XLA's figures depend on its shape only)."""
-    from osdp_jax._discover import CONST_BYTES, find
+    from osdp_jax.planner.discover import CONST_BYTES, find
     params, tokens = toy.plain_params(), toy.tokens(32)
 
     def fp(loss, batch=tokens):
@@ -556,7 +565,8 @@ def test_a_loss_written_again_finds_its_probes(mesh):
     assert fp(custom(lambda _, g: (g,))) == fp(custom(lambda _, g: (g,)))
     assert fp(custom(lambda _, g: (g,))) != fp(custom(
         lambda _, g: (g * 2,)))  # a rule is told apart by where it is defined (the source line)
-    assert fp(lambda p, b: toy.plain_loss(p, b) + small.sum()) != fp(lambda p, b: toy.plain_loss(p, b) + other_small.sum())
+    assert fp(lambda p, b: toy.plain_loss(p, b) + small.sum()) != fp(lambda p, b: toy.plain_loss(p,
+                                                                                                 b) + other_small.sum())
     assert fp(lambda p, b: toy.plain_loss(p, b) + big.sum()) == fp(lambda p, b: toy.plain_loss(p, b) + other_big.sum())
 
     osdp_jax.planning.clear_probe_cache()
@@ -578,8 +588,10 @@ def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monke
     its miss re-plans under the carried error, to the same plan."""
     import dataclasses
 
-    from experiments.benchmarks import foreign
-    from osdp_jax import _calibration, _planner
+    import foreign
+
+    from osdp_jax.planner import calibration as _calibration
+    from osdp_jax.planner import pipeline as _planner
     from osdp_jax.runtime.step import clear_compiled
     monkeypatch.setattr(_planner, "MARGIN", 0.0)  # the carried error alone
     params, loss_fn, batch = foreign.plain_mlp(layers=6, d=128, batch=64)

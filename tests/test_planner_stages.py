@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import optax
 import pytest
+import toy
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-import toy
+from osdp_jax.planner.search import Solution
+from osdp_jax.planner.verify import verify
 from osdp_jax.planning import PlanOptions, ProbeKind, RecordedCalibrator, build_problem
-from osdp_jax._search import Solution
-from osdp_jax._verify import verify
 
 RECORDED = pathlib.Path(__file__).parent / "data" / "toy_probes.json"  # tests/data/make_recorded_probes.py
 
@@ -121,7 +121,8 @@ def test_verification_replans_then_tries_least_memory_then_reports_xla():
     assert limits == [60.0]
     # when nothing is found under twice the error, the search is repeated under the error alone
     limits.clear()
-    only_above_70 = lambda limit, lessons: limits.append(limit) or (_cand("b", choices=(0, 1, 0)) if limit > 70 else None)  # noqa: E731
+    only_above_70 = lambda limit, lessons: limits.append(limit) or (_cand("b", choices=(0, 1,
+                                                                                        0)) if limit > 70 else None)  # noqa: E731
     assert verify(_cand("a"), 100, only_above_70, least, build, peak) == ("b", 95)
     assert limits == [60.0, 80.0]
     # nothing fits: the least-memory plan's XLA peak is the minimum reported
@@ -138,7 +139,7 @@ def test_a_miss_is_put_down_to_the_items_that_changed():
     """The first miss lowers the budget by twice its error; a later miss at the same batch size is
     charged to the items it changed from the closest earlier attempt (a ``Lesson``: their other
     choices cost its extra error more), not to the whole budget."""
-    from osdp_jax._verify import Lesson
+    from osdp_jax.planner.verify import Lesson
     predicted = {"a": 100.0, "b": 98.0, "c": 97.0}
     build = lambda c, xla_peak=None: _Candidate(c[3], predicted[c[3]]) if xla_peak is None else (c[3], xla_peak)  # noqa: E731
     xla = {"a": 102, "b": 130, "c": 99}
@@ -204,7 +205,8 @@ def test_a_planned_miss_is_charged_to_what_it_changed(mesh, recorded, monkeypatc
     parameters as the first plan had them and fits under the budget less ``small``, not the budget
     less the tenth; three compiles."""
     import types
-    from osdp_jax import _planner
+
+    from osdp_jax.planner import pipeline as _planner
     monkeypatch.setattr(_planner, "MARGIN", 0.0)  # the lessons alone (the default margin: the next test)
     params = toy.plain_params()
     kw = {**{k: v for k, v in recorded.items() if k != "batch_sizes"}, "batch_sizes": (64,)}
@@ -245,14 +247,17 @@ def test_the_default_margin_spares_a_compile_when_the_model_is_slightly_low(mesh
     equally fast plans, so the packed plan has no equally fast one below it), so here a plan may
     give up 2% for the margin; the defaults are asserted as they are."""
     import types
-    from osdp_jax import _calibration, _planner
+
+    from osdp_jax.planner import calibration as _calibration
+    from osdp_jax.planner import pipeline as _planner
     params = toy.plain_params()
     kw = {**{k: v for k, v in recorded.items() if k != "batch_sizes"}, "batch_sizes": (64,)}
     ddp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("replicate",), **kw)
     fsdp = osdp_jax.plan(params, mesh, budget="64GB", strategies=("zero3",), **kw)
     monkeypatch.setattr(_planner, "MARGIN", 0.0)
     monkeypatch.setattr(_planner, "MARGIN_COST", 0.02)
-    budget = math.ceil(osdp_jax.plan(params, mesh, budget=int((ddp.predicted_peak_bytes + fsdp.predicted_peak_bytes) / 2),
+    budget = math.ceil(osdp_jax.plan(params, mesh,
+                                     budget=int((ddp.predicted_peak_bytes + fsdp.predicted_peak_bytes) / 2),
                                      **kw).predicted_peak_bytes)  # the plan packed up to it
     peaks = []
 
@@ -295,8 +300,8 @@ def test_a_missed_plan_yields_to_a_faster_next_run():
     """``verify(floor=)`` gives up as soon as the plan to try next is predicted slower than the
     floor; ``_fastest`` then verifies the next run first and finishes the yielded one only if
     nothing else fits."""
-    from osdp_jax._planner import PlanOptions, _fastest
-    from osdp_jax._verify import Superseded
+    from osdp_jax.planner.pipeline import PlanOptions, _fastest
+    from osdp_jax.planner.verify import Superseded
     build = lambda c, xla_peak=None: (c[1], xla_peak) if xla_peak is not None else _Candidate(c[1], 90.0)  # noqa: E731
     peaks = {"a": 120, "b": 99}
     search = lambda limit, lessons: {40.0: (5.0, "b")}.get(limit)  # noqa: E731 - the re-plan after a's 30-byte miss
@@ -312,11 +317,11 @@ def test_a_missed_plan_yields_to_a_faster_next_run():
         fits: bool
         calls: list
 
-        def __call__(self, o, floor=None):
-            self.calls.append((self.name, o.verify, floor))
-            if o.verify and floor is not None and not self.fits:
+        def __call__(self, plan_options, floor=None):
+            self.calls.append((self.name, plan_options.verify, floor))
+            if plan_options.verify and floor is not None and not self.fits:
                 raise Superseded("slower")
-            if o.verify and not self.fits:
+            if plan_options.verify and not self.fits:
                 raise osdp_jax.InfeasibleBudgetError("none", 10)
             return osdp_jax.Plan(params=(), axes=("data",), num_devices=8, batch_size=8, budget_bytes=100,
                                  predicted_peak_bytes=90.0, predicted_step_seconds=8 / self.speed,
@@ -341,8 +346,8 @@ def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_i
     searched in full, the smallest batch size of equals, on random tables."""
     from types import SimpleNamespace
 
-    from osdp_jax._planner import _search
-    from osdp_jax._search import InfeasibleBudgetError, solve_pools
+    from osdp_jax.planner.pipeline import _search
+    from osdp_jax.planner.search import InfeasibleBudgetError, solve_pools
     rng = np.random.default_rng(3)
     for trial in range(40):
         n, c = int(rng.integers(2, 9)), int(rng.integers(2, 5))
@@ -378,7 +383,7 @@ def test_compile_threads_from_the_environment(monkeypatch):
     """``$OSDP_JAX_COMPILE_THREADS`` sets the compile threads (processes sharing the CPUs); unset,
     they are this process's CPUs, at most ``MAX_THREADS``; anything but a positive integer is one
     error naming the variable."""
-    from osdp_jax import _calibration
+    from osdp_jax.planner import calibration as _calibration
     from osdp_jax.planning import compile_threads
     monkeypatch.setenv("OSDP_JAX_COMPILE_THREADS", "3")
     assert compile_threads() == 3
@@ -398,8 +403,8 @@ def test_the_optimizer_state_specs_and_bytes_trace_the_optimizers_init_and_run_n
     its ``init``, traced (``_describe.map_state_params``), not run: run, it built arrays on the
     device and a process's first plan paid XLA's first compiles for them in the planner's main
     thread."""
-    from osdp_jax._cost import optimizer_bytes
-    from osdp_jax._layout import opt_state_specs
+    from osdp_jax.core.layout import opt_state_specs
+    from osdp_jax.planner.cost import optimizer_bytes
     seen = []
 
     def init(params):
@@ -422,11 +427,11 @@ def test_the_optimizer_state_specs_and_bytes_trace_the_optimizers_init_and_run_n
 
 
 def test_planning_pauses_the_garbage_collector_and_restores_it(mesh, recorded, monkeypatch):
-    """plan() runs with Python's cyclic collector off (osdp_jax._gc: the collector's full passes
+    """plan() runs with Python's cyclic collector off (osdp_jax.core.gc: the collector's full passes
     were a tenth of a sweep's planning), and leaves it as it found it, also when it raises."""
     import gc
 
-    from osdp_jax import _planner
+    from osdp_jax.planner import pipeline as _planner
     seen = []
     real = _planner.build_problem
 

@@ -1,4 +1,4 @@
-"""The probe store (``osdp_jax._probe_store``): probe figures kept on disk, so that planning again
+"""The probe store (``osdp_jax.planner.probe_store``): probe figures kept on disk, so that planning again
 in a new process neither traces nor compiles a probe seen before, and never reads one of another
 program."""
 import json
@@ -6,12 +6,11 @@ import json
 import jax
 import optax
 import pytest
+import toy
 
 import osdp_jax
-from osdp_jax import _probe_store
+from osdp_jax.planner import probe_store as _probe_store
 from osdp_jax.planning import clear_compiled, clear_probe_cache
-
-import toy
 
 
 def _fresh_process():

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 import osdp_jax
-from experiments import cli
-from osdp_jax._hardware import load, resolve_hardware, save
-from osdp_jax._profile import fit_ring, profile
+from osdp_jax.cli import main as cli
+from osdp_jax.core.hardware import load, resolve_hardware, save
+from osdp_jax.core.profile import fit_ring, profile
 
 
 def test_fit_recovers_latency_and_bandwidth():

@@ -1,34 +1,23 @@
-"""The README's library examples run as written (on the 8 simulated devices)."""
+"""The README's quickstart runs as written (on the 8 simulated devices), and the README stays a
+landing page."""
 import pathlib
 import re
 
-import jax.numpy as jnp
+from flax import nnx
 
 README = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 
 
-def _block(marker: str) -> str:
-    found = [b for b in BLOCKS if marker in b]
-    assert len(found) == 1, f"one README example with {marker!r}"
-    return found[0]
-
-
-def test_nnx_example_trains_and_its_orbax_checkpoint_restores(tmp_path):
+def test_quickstart_trains_and_gives_back_an_nnx_module():
+    (quickstart,) = BLOCKS
     scope: dict = {}
-    exec(compile(_block("nnx.split(MLP"), "README nnx example", "exec"), scope)
+    exec(compile(quickstart, "README quickstart", "exec"), scope)
     assert float(scope["loss"]) < 1.0 and type(scope["params"]).__name__ == "State"
-    # the orbax example, on the trained nnx example's state
-    orbax = _block("ocp.StandardCheckpointer()").replace("/abs/path/ckpt", str(tmp_path / "ckpt"))
-    saved = {"params": scope["params"], "opt_state": scope["opt_state"]}
-    exec(compile(orbax, "README orbax example", "exec"), scope)
-    import jax
-    for a, b in zip(jax.tree.leaves(scope["restored"]), jax.tree.leaves(saved)):
-        assert (jnp.asarray(a) == jnp.asarray(b)).all()
+    assert isinstance(scope["model"], nnx.Module)
+    assert scope["plan"].xla_peak_bytes <= scope["plan"].budget_bytes
 
 
-def test_units_example_trains():
-    scope: dict = {}
-    exec(compile(_block("osdp_jax.units.find(loss_fn"), "README units example", "exec"), scope)
-    assert sorted(set(scope["units"].values())) == [f"block_{i}" for i in range(6)]
-    assert scope["layout"].units and float(scope["loss"]) > 0
+def test_readme_is_a_landing_page():
+    assert len(README.splitlines()) <= 300 and len(README.encode()) <= 25 * 1024
+    assert len(BLOCKS[0].splitlines()) <= 40

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from osdp_jax._search import pareto_front, solve_pools
+from osdp_jax.planner.search import pareto_front, solve_pools
 from osdp_jax.search import InfeasibleBudgetError, solve
 
 # The per-layer tables published with the original OSDP implementation (a copy is in tests/data).
@@ -180,7 +180,7 @@ def test_a_time_bound_keeps_every_plan_as_fast_and_the_hull_bound_is_below_the_o
     slower; a bound below the optimum leaves an empty front. ``lower_bound`` (the LP bound) is
     never above the optimum, and ``fastest_front`` with ``give_up`` finds the optimum when it is
     as fast, else says ``BeyondBound``."""
-    from osdp_jax._search import BeyondBound, fastest_front, lower_bound
+    from osdp_jax.planner.search import BeyondBound, fastest_front, lower_bound
     rng = np.random.default_rng(7)
     checked = 0
     for trial in range(60):
@@ -214,7 +214,7 @@ def test_kept_searches_hold_a_sweeps_worth_within_a_byte_bound(monkeypatch):
     """A kept search (``_search._kept``) answers a repeat from what it holds, by the arguments'
     contents: a budget sweep's several hundred searches all stay (KEEP), the oldest go first once
     the results' arrays pass KEEP_BYTES, and ``clear`` forgets them."""
-    from osdp_jax import _search
+    from osdp_jax.planner import search as _search
     ran = []
 
     @_search._kept
@@ -246,7 +246,7 @@ def test_the_lp_bounds_hulls_are_built_once_per_table_whatever_the_budget(monkey
     budget: they are kept by the tables' contents (``_search._hull_tables``), so the same tables
     searched at other budgets build none again, and every bound and front is the one built from
     nothing."""
-    from osdp_jax import _search
+    from osdp_jax.planner import search as _search
     built, build = [], _search._hull_tables.__wrapped__
     monkeypatch.setattr(_search, "_hull_tables", _search._kept(lambda *a: built.append(a[3]) or build(*a)))
     rng = np.random.default_rng(3)
@@ -269,7 +269,7 @@ def test_the_two_resource_prune_keeps_exactly_the_undominated_points(seed):
     against it in numpy first) keeps exactly the points that no earlier point in time order beats
     in both resources, on 3,000 points with many ties in time and resources, against the
     quadratic definition."""
-    from osdp_jax._search import _dominance_prune
+    from osdp_jax.planner.search import _dominance_prune
     rng = np.random.default_rng(seed)
     n = 3000
     time = rng.integers(0, 300, n).astype(float)

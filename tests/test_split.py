@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-import toy
 from osdp_jax import Layout, compile_step, discover, profile_compiled
 from osdp_jax.runtime.step import build_step
 from osdp_jax.xla import collectives_by_place

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-import toy
+from osdp_jax.core.describe import flat_params
 
 N = 8
 
@@ -86,8 +87,8 @@ def test_replicas_bit_identical_and_clipping_exact(kind, mesh):
     if kind == "zero2":  # stored whole, optimizer state sharded, its gradient reduce-scattered
         assert plan.counts().get("zero2") and plan.counts().get("zero3")
         opt_state = osdp_jax.init_opt_state(CLIPPED_ADAMW, osdp_jax.shard(params, mesh, plan), plan, mesh)
-        flat = osdp_jax.flat_params(osdp_jax.shard(params, mesh, plan))
-        mu = {k: v for k, v in osdp_jax.flat_params(opt_state[1][0].mu).items()}
+        flat = flat_params(osdp_jax.shard(params, mesh, plan))
+        mu = {k: v for k, v in flat_params(opt_state[1][0].mu).items()}
         zero2 = [pp.path for pp in plan.params if pp.strategy == "zero2"]
         for path in zero2:
             assert flat[path].sharding.spec == P() and mu[path].sharding.spec == P("data"), path
@@ -321,7 +322,7 @@ def test_optimizers_that_mask_parameters_or_factor_their_state_plan_and_train_li
     frozen parameter, every parameter sharded trains like one device, and the frozen one stays
     as it was (the masked state's MaskedNode failed a tree_map against the parameters' specs,
     and adafactor's vectors were given their matrices' specs)."""
-    from osdp_jax._cost import optimizer_bytes
+    from osdp_jax.planner.cost import optimizer_bytes
     params, loss_fn, batch = toy.plain_params(layers=1), toy.plain_loss, toy.tokens(32)
     labels = {k: jax.tree.map(lambda _: "frozen" if k == "emb" else "train", v) for k, v in params.items()}
     freeze = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
@@ -356,3 +357,28 @@ def test_an_optimizer_that_is_not_elementwise_plans_and_trains_on_an_explicit_me
     for m in (explicit, mesh):
         losses, sharded, _ = toy.sharded_run(params, loss_fn, muon, plan, m, batch, 3)
         toy.assert_matches_single_device(losses, sharded, params, loss_fn, muon, batch, rtol=1e-5)
+
+
+def test_shardings_are_those_of_the_placed_arrays_and_serve_a_users_own_jit(mesh):
+    """``osdp_jax.shardings``: the NamedSharding trees of the params, the optimizer state and the
+    batch are those ``shard``/``init_opt_state`` give, and a user's own ``jax.jit`` step takes
+    them as ``in_shardings``/``out_shardings``."""
+    params = {"w1": jnp.ones((64, 32)), "w2": jnp.ones((32, 64)), "b": jnp.ones((64,))}
+    batch = {"x": jnp.ones((16, 64))}
+    layout = osdp_jax.Layout.from_specs(params, mesh, {"w1": P("data"), "w2": P(None, "data"), "b": P()})
+    opt = optax.adam(1e-3)
+    s = osdp_jax.shardings(params, layout, mesh, opt, batch)
+    placed = osdp_jax.shard(params, mesh, layout)
+    state = osdp_jax.init_opt_state(opt, placed, layout, mesh)
+    assert jax.tree.leaves(s.params) == [x.sharding for x in jax.tree.leaves(placed)]
+    assert jax.tree.leaves(s.opt_state) == [x.sharding for x in jax.tree.leaves(state)]
+    assert s.params["w1"].spec == P("data") and s.batch["x"].spec == P("data")
+
+    def own_step(p, o, b):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((b["x"] @ p["w1"] @ p["w2"] + p["b"]) ** 2))(p)
+        updates, o = opt.update(g, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    step = jax.jit(own_step, in_shardings=(s.params, s.opt_state, s.batch), out_shardings=(s.params, s.opt_state, None))
+    new_params, _, loss = step(placed, state, jax.device_put(batch, s.batch))
+    assert np.isfinite(float(loss)) and new_params["w1"].sharding == s.params["w1"]

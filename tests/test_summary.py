@@ -18,7 +18,7 @@ def test_summary_groups_alike_parameters_and_can_list_each_one(mesh):
 
 
 def test_segments_that_run_alike_print_as_one():
-    from osdp_jax._plan import describe_segments
+    from osdp_jax.core.plan import describe_segments
     alike = (Segment(0, 4, "zero3", 1, "full", P(None, "data")), Segment(4, 6, "zero3", 1, "full", P(None, "data")))
     assert describe_segments(alike) == "layers 0-5 zero3, remat=full"
     differ = (Segment(0, 4, "zero3", 1, "dots"), Segment(4, 6, "zero3", 2, "dots"))
@@ -45,7 +45,8 @@ def test_log_records_during_a_progress_bar_are_written_through_tqdm(monkeypatch)
     import logging
 
     from tqdm import std
-    from osdp_jax._planner import _progress
+
+    from osdp_jax.planner.pipeline import _progress
     written = []
     monkeypatch.setattr(std.tqdm, "write", classmethod(lambda cls, s, *a, **k: written.append(s)))
     for i in _progress([1, 2], "osdp-jax: test"):

@@ -2,9 +2,9 @@
 import jax
 import optax
 import pytest
+import toy
 
 import osdp_jax
-import toy
 
 
 def mixed_plan(params, mesh, loss_fn, batch, optimizer):

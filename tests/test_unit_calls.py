@@ -1,16 +1,16 @@
 """Units (osdp_jax.units): submodules of unmodified models gathered on entry and again in the
-backward pass. The models (experiments/benchmarks/foreign.py) make no osdp-jax call, except the plain-JAX one's
+backward pass. The models (tests/foreign.py) make no osdp-jax call, except the plain-JAX one's
 decorator and the nnx one's ``units.mark``."""
+import foreign
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 
 import osdp_jax
-import toy
-from experiments.benchmarks import foreign
-from osdp_jax._unit_policy import choose
+from osdp_jax.planner.unit_policy import choose
 
 MODELS = {"linen-einsum-tied": foreign.einsum_lm, "linen-setup": foreign.setup_mlp, "nnx-vit": foreign.vit,
           "plain-jax": foreign.plain_mlp}
@@ -155,8 +155,8 @@ def test_a_model_without_a_layer_stack_starts_from_the_overlap_of_one(mesh, monk
     plan is costed with the pool overlap at ``NO_LOOP_OVERLAP`` (1), not 0: the einsum LM's first
     mixed plan is then the one that starting from 0 reaches only after a refit and a second
     verification compile, and the overlap its compile shows is kept for the model's next plans."""
-    from osdp_jax import _planner
-    from osdp_jax._calibration import OVERLAPS
+    from osdp_jax.planner import pipeline as _planner
+    from osdp_jax.planner.calibration import OVERLAPS
     params, loss_fn, batch = foreign.einsum_lm(layers=4, d=256, batch=32)
     opt = optax.adam(1e-3)
     ddp, fsdp = peaks(params, loss_fn, batch, opt, mesh, osdp_jax.Layout.ddp(params, mesh),
@@ -179,7 +179,7 @@ def test_a_stored_pool_overlap_that_misses_a_plan_is_fitted_again(mesh):
     compiled plan's prediction with it misses XLA's peak by more than 5%, it is fitted again on
     that compile and the search rerun (a small nnx ViT without units, its stored overlap set to
     a wrong 0: the plan is predicted 13% low with it, then within 5%)."""
-    from osdp_jax._calibration import OVERLAPS
+    from osdp_jax.planner.calibration import OVERLAPS
     osdp_jax.planning.clear_probe_cache()
     params, loss_fn, batch = foreign.vit(depth=2, d=64, batch=32)
     opt = optax.adam(1e-3)
@@ -196,12 +196,12 @@ def test_a_stored_pool_overlap_that_misses_a_plan_is_fitted_again(mesh):
 
 
 def test_units_savings_scaled_to_a_compiled_plan_that_misses(mesh):
-    """Units' savings do not add (experiments/results/unit_savings.md), so a plan with units that
+    """Units' savings do not add, so a plan with units that
     its compile shows more than 5% off scales them to that compile (kept per model, like the
     pool overlap) and plans again: the einsum LM with its stored scale set to a wrong 2 (units
     saving twice what they do) plans within 5% and within budget, the scale refitted to 1."""
-    from osdp_jax._calibration import UNIT_SCALES
-    from osdp_jax._planner import _overlap_key
+    from osdp_jax.planner.calibration import UNIT_SCALES
+    from osdp_jax.planner.pipeline import _overlap_key
     from osdp_jax.planning import XlaCalibrator, build_problem
     osdp_jax.planning.clear_probe_cache()
     params, loss_fn, batch = foreign.einsum_lm(layers=3, d=64, batch=32)
@@ -229,7 +229,7 @@ def test_the_unit_called_last_is_probed_on_its_own(mesh):
     pass, not what the others save. One more probe (every unit but the last sharded) measures it
     (``Calibration.last_saving``). On the 8-block LM, when this probe was added, the plan that
     shards 7 of 8 was predicted 14.7% high charged as the others, and 5.5% low charged nothing."""
-    from osdp_jax._hardware import default_hardware
+    from osdp_jax.core.hardware import default_hardware
     from osdp_jax.planning import ProbeKind, XlaCalibrator, build_problem, calibrate
     params, loss_fn, batch = foreign.einsum_lm(layers=4, d=128, batch=32)
     opt = optax.adam(1e-3)
@@ -283,7 +283,7 @@ def test_units_share_the_measured_saving_by_their_activations(mesh):
 def test_a_unit_without_an_activation_figure_is_counted_by_bytes(mesh):
     """A unit call jax.vjp cannot trace (here a host callback, which has no derivative) gets no
     activation figure; the units' shares of the saving then fall back to their bytes."""
-    from osdp_jax._discover import find
+    from osdp_jax.planner.discover import find
     from osdp_jax.planning import build_problem
 
     @osdp_jax.units.unit
@@ -520,7 +520,7 @@ def test_submodules_under_the_models_own_nn_remat_are_named_in_one_warning(caplo
         caplog.clear()
         apply = lambda p, b: net.apply({"params": p}, b)  # noqa: E731
         with caplog.at_level("WARNING", logger="osdp_jax"):
-            found = osdp_jax._discover.find(jax.checkpoint(apply) if remat else apply, params, x)
+            found = osdp_jax.planner.discover.find(jax.checkpoint(apply) if remat else apply, params, x)
         said = [r.getMessage() for r in caplog.records if "through a transform" in r.getMessage()]
         sites = {name for _, name, _ in found.units}
         if remat:  # nn.remat around each block, or jax.checkpoint around the whole apply

@@ -5,11 +5,12 @@ onto a plan with other strategies in test_checkpoint."""
 import jax
 import optax
 import pytest
+import toy
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
-import toy
-from experiments import config
+from osdp_jax.cli import config
+from osdp_jax.core.describe import flat_params
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_zero2_memory_predicted_and_chosen_between_the_zero2_and_replicate_peaks
 
 def test_zero2_is_opt_in_and_bad_uses_are_one_clear_error(mesh):
     params, loss_fn = toy.linen_setup(boxed=False)
-    assert "zero2" in osdp_jax.STRATEGIES and "zero2" not in osdp_jax.strategies.DEFAULT_STRATEGIES
+    assert "zero2" in osdp_jax.strategies.STRATEGIES and "zero2" not in osdp_jax.strategies.DEFAULT_STRATEGIES
     with pytest.raises(ValueError, match="unknown strategy 'zero4'.*zero2"):
         osdp_jax.plan(params, mesh, budget="1GB", strategies=("zero4",))
     scalar = {"w": jax.ShapeDtypeStruct((8, 8), "float32"), "b": jax.ShapeDtypeStruct((3,), "float32")}
@@ -76,7 +77,7 @@ def test_zero2_on_a_2d_mesh_trains_like_one_device():
     kernels = [i.path for i in osdp_jax.describe(params) if i.path.endswith("kernel")]
     layout = osdp_jax.Layout.from_specs(params, mesh, {}, zero2=kernels)
     losses, sharded, state = toy.sharded_run(params, loss_fn, opt, layout, mesh, batch, 3)
-    mu = osdp_jax.flat_params(state[0].mu)
+    mu = flat_params(state[0].mu)
     assert all(mu[k].sharding.spec == P(("replica", "data")) for k in kernels)
-    assert all(osdp_jax.flat_params(sharded)[k].sharding.is_fully_replicated for k in kernels)
+    assert all(flat_params(sharded)[k].sharding.is_fully_replicated for k in kernels)
     toy.assert_matches_single_device(losses, sharded, params, loss_fn, opt, batch, rtol=1e-5)

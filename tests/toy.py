@@ -182,8 +182,8 @@ def assert_matches_single_device(losses, sharded, params, loss_fn, optimizer, ba
 def stack_setup(n_layer=8, d_model=64, batch=64, seq=16, abstract=True):
     """A GPT-2-shaped model (repository code, ``osdp_jax.layers.Stack``) of ``n_layer`` layers:
     ``(module, params, loss_fn, batch)``."""
-    import models
-    from models import gpt2
+    from osdp_jax import models
+    from osdp_jax.models import gpt2
     cfg = gpt2.gpt2_config(n_layer=n_layer, d_model=d_model, n_head=4, vocab_size=16, max_len=seq)
     module = gpt2.GPT2(cfg)
     params = models.abstract_params(module, seq) if abstract else models.init_params(module, seq, 0)

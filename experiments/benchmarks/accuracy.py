@@ -19,8 +19,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments import config, runner  # noqa: E402
-from osdp_jax._compat import versions  # noqa: E402
+from osdp_jax.cli import config, runner  # noqa: E402
+from osdp_jax.core.compat import versions  # noqa: E402
 from osdp_jax.hardware import profile, save  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini")

@@ -1,6 +1,6 @@
 """Models nobody here wrote: predicted vs XLA peak, and FSDP with and without units.
 
-Three model families in ``experiments/benchmarks/foreign.py``, none through the repository's
+Three model families in ``tests/foreign.py``, none through the repository's
 GPT-2/OPT/BERT code and none making an osdp-jax call (the nnx one is ``units.mark``ed): an einsum
 transformer with a tied embedding and an unrolled loop (linen), a ResNet (linen convolutions,
 GroupNorm) and a ViT run as a Python loop of blocks (nnx). On this machine's 8 simulated devices
@@ -18,13 +18,14 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]),
+                str(pathlib.Path(__file__).resolve().parents[2] / "tests")]
 
+import foreign  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments.benchmarks import foreign  # noqa: E402
 
 FAMILIES = foreign.FAMILIES
 MIB = 2**20
@@ -76,7 +77,7 @@ def main():
         lines.append("")
     lines += [f"Largest prediction error: {worst:.1%} (target 5%).", "",
               "The pool overlap (how much of the replicated-gradient buffer and the weights gathered per",
-              "step XLA keeps alive together, `osdp_jax._cost`) is fitted on the first mixed plan the planner",
+              "step XLA keeps alive together, `osdp_jax.planner.cost`) is fitted on the first mixed plan the planner",
               "compiles for a model and kept in the process: the row where it is first fitted predicts with",
               "the value fitted on its own compile (or on the plan it replaced); later rows predict with it,",
               "unless their compile shows it more than 5% off, where it is fitted again on that compile (the",

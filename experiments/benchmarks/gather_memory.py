@@ -13,7 +13,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import osdp_jax  # noqa: E402
-from experiments import config, runner  # noqa: E402
+from osdp_jax.cli import config, runner  # noqa: E402
 
 
 def main():

@@ -44,8 +44,8 @@ def run_one(preset: str, variant: str, batch_size: int, seq: int, steps: int) ->
     import optax
     from jax.sharding import PartitionSpec as P
 
-    import models
     import osdp_jax
+    from osdp_jax import models
     from osdp_jax.hardware import default_hardware
 
     module, cfg, _ = models.get(preset)
@@ -112,7 +112,8 @@ def report(rows: list[dict]) -> str:
              "XLA peak = `argument + output - alias + temp` of the compiled step; device peak = "
              "`memory_stats()['peak_bytes_in_use']` after the run (includes the initial parameters "
              "and buffers outside the step); step time = median of the timed steps.", "",
-             "| preset | variant | predicted peak | XLA peak | device peak | predicted step | measured step | k=4 / k=1 time |",
+             "| preset | variant | predicted peak | XLA peak | device peak | predicted step | measured step "
+             "| k=4 / k=1 time |",
              "|---|---|---|---|---|---|---|---|"]
     by = {(r["preset"], r["variant"]): r for r in rows}
     for r in rows:

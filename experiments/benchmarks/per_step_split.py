@@ -1,5 +1,5 @@
 """Splitting a per-step dense kernel (one gathered once per step, not in a layer stack): XLA's peak
-by split count k, where the cost model charges it ``zeta p / k`` (``osdp_jax._cost``).
+by split count k, where the cost model charges it ``zeta p / k`` (``osdp_jax.planner.cost``).
 
 Two models, compile-only, 8 simulated devices:
 
@@ -18,7 +18,8 @@ import pathlib
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]),
+                str(pathlib.Path(__file__).resolve().parents[2] / "tests")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -27,7 +28,7 @@ from flax import linen as nn  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments import config, runner  # noqa: E402
+from osdp_jax.cli import config, runner  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 
@@ -89,12 +90,10 @@ def main():
              "of gathered-weight memory, less as k grows, and nothing else.", ""]
     lines += paper() + toy()
     lines += ["Split along its input dimension (zero3 shards the first dimension the devices divide: the",
-              "LM heads here), a kernel's slices' products are summed into an accumulator. Until session 13 that accumulator's zero fill",
-              "depended on nothing, so XLA:CPU made it at the top of the step and held it, output-sized,",
-              "through the forward pass: a split LM head of gpt2_48l_1536 at batch 128 needed 12.013-12.022",
-              "GiB at any k, 0.8 GiB more than unsplit, where the model predicted less. The fill is now made",
-              "once the input is (`runtime.kernels.after`): 11.190 GiB, under the unsplit 11.213; at batch 32,",
-              "4.84-4.87 GiB against 5.158 before (5.376 unsplit).",
+              "LM heads here), a kernel's slices' products are summed into an accumulator. The accumulator's",
+              "zero fill is made",
+              "once the input is (`runtime.kernels.after`): a fill that depends on nothing is made by XLA:CPU at",
+              "the top of the step and held, output-sized, through the forward pass.",
               "",
               "Split along its output dimension (a kernel whose input dimension the devices do not divide),",
               "the toy head still needs more memory split than unsplit, by up to 0.8 of its logits per device",

@@ -6,7 +6,7 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
 - *one compile*: ``osdp_jax.compile_step`` of the chosen plan, alone, after every in-process
   cache was cleared (``jax.clear_caches``, ``osdp_jax.planning.clear_compiled``), the median of
   ``COMPILES`` (3) such compiles: one alone varied by a third from run to run on this machine
-  (bert_mini: 2.8 to 4.1 s in one session), and the ratios with it;
+  (bert_mini: 2.8 to 4.1 s within one hour), and the ratios with it;
 - *cold*: ``plan()`` at the config's budget with the in-process probe cache and the kept compiled
   steps cleared: its probes at the smallest and largest batch size, and the verification compile
   (the default, ``verify=True``: the chosen plan compiled for XLA's figures only, as a probe);
@@ -18,13 +18,13 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
   training would otherwise do.
 
 - *sweep* (the paper config only): ``osdp-jax compare --budgets`` at :data:`SWEEP_BUDGETS`, every
-  cache cleared again (``experiments.sweep.sweep``: DDP, FSDP and OSDP at each budget), its
+  cache cleared again (``osdp_jax.cli.sweep.sweep``: DDP, FSDP and OSDP at each budget), its
   planning seconds (``sweep.json``'s ``seconds``: every plan, the drafts and the compiles done
   ahead) over the cold plan's of the same repeat. Issue 16's target: under 2. The whole call's
   wall time, which also writes ``sweep.md`` and draws ``sweep.png`` (matplotlib's first import
   in the process), is given beside it.
 
-With ``--foreign``, also the three models of ``experiments/benchmarks/foreign.py`` (an einsum LM
+With ``--foreign``, also the three models of ``tests/foreign.py`` (an einsum LM
 with a tied embedding and an unrolled loop, a ResNet, an nnx ViT run as a Python loop; each at
 the foreign-model benchmarks' size, :data:`foreign.FAMILIES`), planned as a user would plan them
 (``osdp_jax.plan`` with the loss, one batch of 32, Adam): *cold* at 40% of the way from the FSDP
@@ -56,15 +56,16 @@ import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]),
+                str(pathlib.Path(__file__).resolve().parents[2] / "tests")]
 
+import foreign  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments import config, runner, sweep  # noqa: E402
-from experiments.benchmarks import foreign  # noqa: E402
-from osdp_jax._compat import versions  # noqa: E402
+from osdp_jax.cli import config, runner, sweep  # noqa: E402
+from osdp_jax.core.compat import versions  # noqa: E402
 from osdp_jax.planning import clear_compiled, clear_probe_cache, compile_threads  # noqa: E402
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
@@ -133,7 +134,8 @@ def measure_foreign(name: str) -> dict:
         p = osdp_jax.plan(params, mesh, budget=int(fsdp + share * (ddp - fsdp)), **kw)
         timed.append((p, time.perf_counter() - t0))
     (cold, cold_s), (warm, warm_s) = timed
-    return dict(name=name, one=_one_compile(loss_fn, opt, params, batch, mesh, cold), cold=cold_s, cold_compiles=cold.compiles, warm=warm_s,
+    return dict(name=name, one=_one_compile(loss_fn, opt, params, batch, mesh, cold), cold=cold_s,
+                cold_compiles=cold.compiles, warm=warm_s,
                 warm_compiles=warm.compiles)
 
 
@@ -184,7 +186,7 @@ def main():
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--repeats", type=int, default=3, help="measurements per config; the table gives medians")
     ap.add_argument("--foreign", action="store_true",
-                    help="also the three models of experiments/benchmarks/foreign.py (no layer stack)")
+                    help="also the three models of tests/foreign.py (no layer stack)")
     ap.add_argument("--segment-gain", type=float, default=0.0,
                     help="the configs' plan.segment_gain (osdp_jax.plan's segment_gain; default 0, as the configs)")
     ap.add_argument("--out", default="experiments/results/planning_time.md", help="the markdown file written")
@@ -223,8 +225,9 @@ def main():
     swept = [r for r in rows if "sweep" in r]
     if swept:
         lines += ["", f"A budget sweep, `osdp-jax compare CONFIG --budgets {','.join(SWEEP_BUDGETS)}` (DDP, FSDP "
-                  "and OSDP at each budget, `experiments/sweep.py`), every cache cleared before it, against the cold "
-                  "plan of the same repeat (issue 16's target: under 2 cold plans). *Planning* is the sweep's own figure "
+                  "and OSDP at each budget, `osdp_jax/cli/sweep.py`), every cache cleared before it, against the cold "
+                  "plan of the same repeat (issue 16's target: under 2 cold plans). *Planning* is the sweep's own "
+                  "figure "
                   "(`sweep.json`'s `seconds`: every plan, the drafts and the compiles done ahead); *with its files* is "
                   "the whole call, which also writes `sweep.md` and draws `sweep.png`:", "",
                   "| config | sweep planning | cold plan() | planning / cold plan | repeats | with its files "
@@ -234,13 +237,14 @@ def main():
                   + f" | {r['sweep_all']:.1f} s | {r['sweep_all_ratio']:.2f} |" for r in swept]
     if others:
         missed = [r["name"] for r in others if r["cold_ratio"] > 3 or r["warm_ratio"] > 0.5]
-        lines += ["", "Models nobody here wrote (`--foreign`: `experiments/benchmarks/foreign.py`, no layer stack), "
+        lines += ["", "Models nobody here wrote (`--foreign`: `tests/foreign.py`, no layer stack), "
                   "planned with `osdp_jax.plan` (one batch of 32, Adam): cold at 40% of the way from the FSDP peak to "
                   "the DDP peak, the second budget at 60%. Issue 16's targets are stated for the configs above; in the "
                   "medians " + (f"these miss one or both: {'; '.join(missed)}:" if missed else "these meet both:"), "",
                   "| model | one compile | cold plan() | compiles | cold ratio | repeats | plan() at the second budget "
                   "| compiles | its ratio | repeats |", "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['name']} | {r['one']:.1f} s | {r['cold']:.1f} s | {r['cold_compiles']} | {r['cold_ratio']:.2f} | "
+        lines += [f"| {r['name']} | {r['one']:.1f} s | {r['cold']:.1f} s | {r['cold_compiles']} | "
+                  f"{r['cold_ratio']:.2f} | "
                   + ", ".join(f"{x:.2f}" for x in r["cold_ratios"]) + f" | {r['warm']:.1f} s | {r['warm_compiles']} | "
                   f"{r['warm_ratio']:.2f} | " + ", ".join(f"{x:.2f}" for x in r["warm_ratios"]) + " |" for r in others]
     lines += ["", "`compiles` counts XLA compiles (a step found among the compiled steps kept in the process is",

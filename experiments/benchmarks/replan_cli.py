@@ -39,13 +39,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import osdp_jax  # noqa: E402
-from experiments import config, runner  # noqa: E402
 from experiments.benchmarks.planning_time import CONFIGS, SWEEP_BUDGETS, _one_compile  # noqa: E402
+from osdp_jax.cli import config, runner  # noqa: E402
 
 
 def _cli(*args) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
-    proc = subprocess.run([sys.executable, "-m", "experiments.cli", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "osdp_jax.cli.main", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"osdp-jax {' '.join(args)} failed:\n{proc.stderr[-3000:]}")

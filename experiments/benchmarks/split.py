@@ -94,7 +94,7 @@ def ffn_rows(mesh, d, hidden, tokens, rounds, label):
 
 def opt_rows():
     """opt-30b-8l, FSDP per layer, every dense kernel split in k: compile-only."""
-    from experiments import config, runner
+    from osdp_jax.cli import config, runner
     cfg = config.load("experiments/paper/opt_30b_8l.toml", {"plan.batch_sizes": "8"})
     s = runner.setup(cfg)
     params, batch = s.abstract_params(), s.abstract_batch(8)
@@ -134,7 +134,8 @@ def main():
                               f"wide FFN {args.d} -> {4 * args.d} -> {args.d}, {args.tokens} tokens per device, SGD")
     lines += rows
     if not args.skip_opt:
-        rows, _, _ = ffn_rows(mesh, 7168, 28672, 8, 3, "opt-30b-8l layer FFN 7168 -> 28672 -> 7168, 8 tokens per device, SGD")
+        rows, _, _ = ffn_rows(mesh, 7168, 28672, 8, 3,
+                              "opt-30b-8l layer FFN 7168 -> 28672 -> 7168, 8 tokens per device, SGD")
         lines += rows
         lines += opt_rows()
     text = "\n".join(lines) + "\n"

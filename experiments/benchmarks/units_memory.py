@@ -1,13 +1,13 @@
 """What units and the remat policies keep alive, by XLA's figures (compile-only).
 
 Three measurements behind statements in the README and in the docstrings of
-``osdp_jax.runtime.units`` and ``osdp_jax._stack``, on 8 simulated CPU devices, temp bytes per
+``osdp_jax.runtime.units`` and ``osdp_jax.core.stack``, on 8 simulated CPU devices, temp bytes per
 device of the compiled step:
 
 1. Eight unrolled blocks ``x = tanh(x @ W)``, W 1024x1024 f32 (4 MiB) sharded 8 ways, gathered
    inside ``jax.checkpoint`` (the backward pass gathers again): in straight-line code, and inside
    an always-true ``lax.cond`` (what ``osdp_jax.runtime.units`` does).
-2. An unrolled 8-block einsum transformer (``experiments/benchmarks/foreign.py``), FSDP with units,
+2. An unrolled 8-block einsum transformer (``tests/foreign.py``), FSDP with units,
    under each unit remat policy.
 3. An 8-layer ZeRO-3 layer stack of 512x512 f32 layers (1 MiB) under each remat policy, and under
    "none" as it was (``save_anything_except_these_names``, which saved the gathers' outputs).
@@ -21,8 +21,10 @@ import pathlib
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]),
+                str(pathlib.Path(__file__).resolve().parents[2] / "tests")]
 
+import foreign  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -32,9 +34,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import osdp_jax  # noqa: E402
-from experiments.benchmarks import foreign  # noqa: E402
 from osdp_jax import Collective  # noqa: E402
-from osdp_jax._stack import GATHERED_NAME, save_all_but_gathered  # noqa: E402
+from osdp_jax.core.stack import GATHERED_NAME, save_all_but_gathered  # noqa: E402
 from osdp_jax.runtime import stack as runtime_stack  # noqa: E402
 from osdp_jax.runtime.collectives import gather  # noqa: E402
 
@@ -130,7 +131,8 @@ def main():
     lines += ["", "## 2. Unrolled 8-block einsum transformer (d 256), FSDP, unit remat policies", "",
               "| layout | temp |", "|---|---|"]
     lines += [f"| {k} | {v / MIB:.1f} MiB |" for k, v in unit_policies().items()]
-    lines += ["", "## 3. Eight-layer ZeRO-3 stack of 1 MiB layers, remat policies", "", "| policy | temp |", "|---|---|"]
+    lines += ["", "## 3. Eight-layer ZeRO-3 stack of 1 MiB layers, remat policies", "", "| policy | temp |",
+              "|---|---|"]
     lines += [f"| {k} | {v / MIB:.1f} MiB |" for k, v in stack_policies().items()]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -1,7 +1,7 @@
 """ZeRO-2 against replication and ZeRO-3, by XLA's figures, and the planner's prediction of it.
 
 On 8 simulated CPU devices, Adam, for three models (a 2-layer MLP, the einsum LM of
-``experiments/benchmarks/foreign.py`` with 4 blocks, and gpt2-mini's layer stack):
+``tests/foreign.py`` with 4 blocks, and gpt2-mini's layer stack):
 
 1. argument and temp bytes per device of the compiled step with every shardable parameter
    replicated (DDP), zero2, and zero3 (FSDP): what the cost model's xi stands for;
@@ -22,14 +22,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import foreign  # noqa: E402
 import jax  # noqa: E402
 import optax  # noqa: E402
-
-import models  # noqa: E402
-import osdp_jax  # noqa: E402
 import toy  # noqa: E402
-from experiments.benchmarks import foreign  # noqa: E402
-from osdp_jax._strategies import spec_for  # noqa: E402
+
+import osdp_jax  # noqa: E402
+from osdp_jax import models  # noqa: E402
+from osdp_jax.core.strategies import spec_for  # noqa: E402
 
 
 def _models():
@@ -55,7 +55,8 @@ def main():
                               ("all zero2", osdp_jax.Layout.from_specs(params, mesh, {}, in_loop=in_loop, zero2=ok)),
                               ("FSDP", osdp_jax.Layout.fsdp(params, mesh, in_loop=in_loop, dense=dense - in_loop))]:
             pr = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout)
-            layouts.append(f"| {name} | {label} | {kib(pr.argument_bytes)} | {kib(pr.temp_bytes)} | {kib(pr.peak_bytes)} |")
+            layouts.append(f"| {name} | {label} | {kib(pr.argument_bytes)} | {kib(pr.temp_bytes)} "
+                           f"| {kib(pr.peak_bytes)} |")
         kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,), remat=("full",))
         zero2 = osdp_jax.plan(params, mesh, budget="10GB", strategies=("zero2",), **kw)
         ddp = osdp_jax.plan(params, mesh, budget="10GB", strategies=("replicate",), **kw)

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from .._layout import Collective
+from osdp_jax.core.layout import Collective
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -17,8 +17,8 @@ import contextvars
 import dataclasses
 from typing import NamedTuple
 
-from .._layout import Collective
-from .collectives import gather
+from osdp_jax.core.layout import Collective
+from osdp_jax.runtime.collectives import gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,8 @@ class StepContext:
     in_unit: bool = False  # tracing inside a unit call: nested units run as plain calls
     recorded_units: list = dataclasses.field(default_factory=list)  # discovery: (kind, name, paths) per call
     recorded_saved: dict = dataclasses.field(default_factory=dict)  # discovery: unit site -> saved activation bytes
-    shared: dict = dataclasses.field(default_factory=dict)  # unit call site key -> its jitted call (runtime.units.shared)
+    # unit call site key -> its jitted call (runtime.units.shared)
+    shared: dict = dataclasses.field(default_factory=dict)
     param_shapes: dict = dataclasses.field(default_factory=dict)  # discovery: path -> shape of each parameter
     recorded_hidden: list = dataclasses.field(default_factory=list)  # discovery: linen call sites whose parameters
     #                                                                  reach them only through a lifted transform

@@ -4,30 +4,16 @@
 splitting, ``osdp_jax.runtime.kernels.matmul``) or gather at the layer; unmodified Flax
 ``Dense``/``nnx.Linear`` layers are routed to it (``osdp_jax.runtime.interception``).
 
-**Per-layer gathering** is ``osdp_jax.layers.scan`` (``runtime.stack``). :func:`gather_params`, the
-earlier opt-in that paired ``nn.scan`` with a path prefix, is gone: a prefix that did not match
-silently gathered the weights once per step. It now raises, naming its replacement.
+**Per-layer gathering** is ``osdp_jax.layers.scan`` (``runtime.stack``).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from .._describe import path_name
-from .context import ACTIVE, SplitKernel, StepContext
-from .kernels import matmul
-
-
-def gather_params(tree, prefix: str = ""):
-    """Replaced by :func:`osdp_jax.layers.scan`: raises a ``TypeError`` saying so inside a step or
-    while planning; returns ``tree`` unchanged elsewhere."""
-    if ACTIVE.get() is not None:
-        raise TypeError(
-            "osdp_jax.gather_params was replaced by osdp_jax.layers.scan: run the stacked layers with "
-            "osdp_jax.layers.scan(layer_fn, stacked_params, x) (or the osdp_jax.layers.Stack linen module / "
-            "NnxStack) instead of nn.scan with gather_params; the plan then gathers each layer's weights "
-            "inside the loop, with no path prefix to match")
-    return tree
+from osdp_jax.core.describe import path_name
+from osdp_jax.runtime.context import ACTIVE, SplitKernel, StepContext
+from osdp_jax.runtime.kernels import matmul
 
 
 def wrap_tree(ctx: StepContext, params):

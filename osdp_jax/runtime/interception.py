@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from . import units
-from .context import ACTIVE, SplitKernel
-from .hooks import dense, record
-from .kernels import lookup
+from osdp_jax.runtime import units
+from osdp_jax.runtime.context import ACTIVE, SplitKernel
+from osdp_jax.runtime.hooks import dense, record
+from osdp_jax.runtime.kernels import lookup
 
 _LOCAL = threading.local()  # .depth: intercepting() contexts this thread is in; .lookups: Embed routed
 _LOCK = threading.Lock()
@@ -174,7 +174,8 @@ def _nnx_linear(original, self, inputs, out_sharding=None):
 
 
 def _nnx_embed(original, self, inputs, out_sharding=None):
-    if not _LOCAL.lookups or out_sharding is not None or self.num_embeddings == 1 or not jnp.issubdtype(inputs.dtype, jnp.integer):
+    if not _LOCAL.lookups or out_sharding is not None or self.num_embeddings == 1 or not jnp.issubdtype(inputs.dtype,
+                                                                                                        jnp.integer):
         return original(self, inputs, out_sharding)
     (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
     return lookup(table, inputs)

@@ -26,8 +26,7 @@ kernels arrange the dependencies so that memory is held only where it is used:
   its first 8 layers' MLP kernels split needed 12.85, 16.05 and 22.80 GiB at k = 2, 4, 8 against
   11.21 unsplit; now 11.20, 11.14 and 11.13.)
 - :func:`lookup`: an embedding lookup whose table-sized gradient buffer (V x D bytes) is made from
-  the cotangent, when the backward pass reaches it, rather than at the top of the step
-  (``experiments/results/fsdp_temp.md`` has the figures for the GPT-2 presets).
+  the cotangent, when the backward pass reaches it, rather than at the top of the step.
 """
 from __future__ import annotations
 
@@ -37,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .._stack import SPLIT_NAME
-from .collectives import gather
-from .context import SplitSpec
+from osdp_jax.core.stack import SPLIT_NAME
+from osdp_jax.runtime.collectives import gather
+from osdp_jax.runtime.context import SplitSpec
 
 
 def after(x, y):

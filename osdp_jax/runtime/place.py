@@ -2,16 +2,18 @@
 their abstract (``ShapeDtypeStruct``) counterparts for compiling without allocating."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._describe import check_optimizer, describe, path_name
-from .._layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, state_spec_tree, to_storage
-from .._stack import held_fraction, is_segmented, merge
-from .._strategies import axes_size, axis_entry
+from osdp_jax.core.describe import check_optimizer, describe, path_name
+from osdp_jax.core.layout import Layout, as_layout, batch_specs, opt_state_specs, spec_tree, state_spec_tree, to_storage
+from osdp_jax.core.stack import held_fraction, is_segmented, merge
+from osdp_jax.core.strategies import axes_size, axis_entry
 
 
 def place(params, mesh, layout):
@@ -178,6 +180,51 @@ def abstract_state(params, plan, mesh, optimizer=None):
     opt_state = jax.eval_shape(optimizer.init, abstract)
     t_specs = state_spec_tree(params, layout, axes_size(mesh, layout.axes))
     return params_t, jax.tree.map(sds, opt_state, opt_state_specs(optimizer, opt_state, t_specs, abstract))
+
+
+class Shardings(NamedTuple):
+    """The ``NamedSharding`` trees of a plan on a mesh, as :func:`shardings` returns them.
+
+    Attributes:
+      params: shaped like the params as ``osdp_jax.shard`` returns them.
+      opt_state: shaped like the optimizer's state of those params; None without an optimizer.
+      batch: shaped like the batch; None without one.
+    """
+
+    params: object  # shaped like the params as osdp_jax.shard returns them
+    opt_state: object  # shaped like the optimizer's state of those params; None without an optimizer
+    batch: object  # shaped like the batch; None without one
+
+
+def shardings(params, plan, mesh, optimizer=None, batch=None) -> Shardings:
+    """The ``jax.sharding.NamedSharding`` trees of the parameters, the optimizer state and a
+    batch under ``plan`` on ``mesh``: what ``jax.jit(in_shardings=, out_shardings=)``,
+    ``jax.device_put`` and orbax's restore targets take.
+
+    Args:
+      params: the params tree (arrays or ``jax.ShapeDtypeStruct``s); nothing is allocated.
+      plan: a ``Plan`` or ``Layout``.
+      mesh: the mesh the plan is for.
+      optimizer: an optax optimizer, for the optimizer state's shardings.
+      batch: an example batch (arrays or ``ShapeDtypeStruct``s), for the batch's shardings: each
+        leaf split along its leading (global batch) dimension over the data-parallel axes.
+
+    Returns:
+      A :class:`Shardings` of ``params``, ``opt_state`` and ``batch`` trees. A layer stack the plan
+      cuts into segments appears as the ``osdp_jax.Segmented`` node ``osdp_jax.shard`` returns.
+      The plan's memory budget holds inside ``osdp_jax.make_train_step``: a step of your own over
+      arrays placed with these shardings lets XLA gather sharded weights where it chooses.
+
+    Example:
+      >>> s = osdp_jax.shardings(params, plan, mesh, optimizer, batch)            # doctest: +SKIP
+      >>> params = jax.device_put(params, s.params)                               # doctest: +SKIP
+    """
+    p_t, o_t = abstract_state(params, plan, mesh, optimizer)
+    of = lambda tree: None if tree is None else jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+    b_t = None
+    if batch is not None:
+        b_t = jax.tree.map(lambda x, spec: NamedSharding(mesh, spec), batch, batch_specs(batch, as_layout(plan).axes))
+    return Shardings(of(p_t), of(o_t), b_t)
 
 
 def batch_sharding(mesh, plan) -> NamedSharding:

@@ -23,10 +23,10 @@ from typing import NamedTuple
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from .._layout import Collective
-from .._stack import GATHERED_NAME, check_remat, is_segmented, remat_policy
-from .collectives import gather
-from .context import ACTIVE, SplitKernel, SplitSpec
+from osdp_jax.core.layout import Collective
+from osdp_jax.core.stack import GATHERED_NAME, check_remat, is_segmented, remat_policy
+from osdp_jax.runtime.collectives import gather
+from osdp_jax.runtime.context import ACTIVE, SplitKernel, SplitSpec
 
 log = logging.getLogger("osdp_jax")
 
@@ -171,7 +171,8 @@ def scan(layer_fn, stacked, x, *, remat: str = "full", unroll: int = 1):
         return _run(layer_fn, leaves, treedef, x, bounds, part, lambda j: remat, unroll, recorded)
     bounds = [(r.start, r.stop) for r in views[0].runs]
     for v in views[1:]:
-        if [(r.start, r.stop) for r in v.runs] != bounds or [r.remat for r in v.runs] != [r.remat for r in views[0].runs]:
+        if [(r.start,
+             r.stop) for r in v.runs] != bounds or [r.remat for r in v.runs] != [r.remat for r in views[0].runs]:
             raise ValueError(
                 f"parameters {views[0].path!r} and {v.path!r} run in one osdp_jax.layers.scan but the plan cuts "
                 f"them into different segments: a layout must give every parameter of a stack the same "

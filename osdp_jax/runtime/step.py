@@ -36,19 +36,27 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._compat import supported_compile_options
-from .._describe import check_trainable, describe, path_name, strip_boxes
-from .._layout import (Layout, as_layout, batch_specs, collective, one_segment, opt_state_specs, spec_tree,
-                       state_spec_tree)
-from .._stack import Segmented, is_segmented
-from .._strategies import accumulation, axes_size, axis_entry, sharded_dim
-from .._xla import StepProfile, loop_flops, profile_compiled
-from .collectives import device_index, gather
-from .context import SplitEntry, StepContext, active
-from .hooks import wrap_tree
-from .interception import intercepting
-from .stack import SegmentRun, StackView
-from .place import abstract_args, as_auto, check_matches, check_mesh
+from osdp_jax.core.compat import supported_compile_options
+from osdp_jax.core.describe import check_trainable, describe, path_name, strip_boxes
+from osdp_jax.core.layout import (
+    Layout,
+    as_layout,
+    batch_specs,
+    collective,
+    one_segment,
+    opt_state_specs,
+    spec_tree,
+    state_spec_tree,
+)
+from osdp_jax.core.stack import Segmented, is_segmented
+from osdp_jax.core.strategies import accumulation, axes_size, axis_entry, sharded_dim
+from osdp_jax.core.xla import StepProfile, loop_flops, profile_compiled
+from osdp_jax.runtime.collectives import device_index, gather
+from osdp_jax.runtime.context import SplitEntry, StepContext, active
+from osdp_jax.runtime.hooks import wrap_tree
+from osdp_jax.runtime.interception import intercepting
+from osdp_jax.runtime.place import abstract_args, as_auto, check_matches, check_mesh
+from osdp_jax.runtime.stack import SegmentRun, StackView
 
 
 def check_batch_leaves(batch) -> int:
@@ -235,7 +243,7 @@ def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", optio
 
     def accumulated(params, batch, rng):
         """m microbatches in a loop, each gradient summed where its layout says
-        (``osdp_jax._strategies.accumulation``): a zero3/hsdp weight is gathered in every microbatch
+        (``osdp_jax.core.strategies.accumulation``): a zero3/hsdp weight is gathered in every microbatch
         and its gradient reduce-scattered there into a shard-sized accumulator, unless it is kept
         (gathered once, before the loop; its gradient summed whole and reduce-scattered once, after
         it); a zero2 gradient is reduce-scattered in every microbatch too, unless summed whole; a
@@ -328,7 +336,8 @@ class _Gathering(NamedTuple):
         kept = self.kept
         return self._replace(how={p: (None if p in kept else c) for p, c in self.how.items()},
                              split_specs={p: e for p, e in self.split_specs.items() if p not in kept},
-                             per_step=self.per_step - kept, units={p: u for p, u in self.units.items() if p not in kept})
+                             per_step=self.per_step - kept, units={p: u for p,
+                                                                   u in self.units.items() if p not in kept})
 
 
 def _check_splits(layout: Layout) -> None:
@@ -448,7 +457,8 @@ def jit_step(step):
 # --- compiled steps kept for reuse ------------------------------------------------------------
 # Under ``plan(verify="full")`` the planner's verification compile is the train step's compile
 # (by default it is compiled for its figures only, kept apart below and never run):
-# ``compile_counted`` keeps the last few compiled steps, keyed by the loss function and optimizer objects, the mesh, the layout,
+# ``compile_counted`` keeps the last few compiled steps, keyed by the loss function and optimizer objects, the mesh,
+# the layout,
 # the step options and the inputs' shapes, dtypes and shardings (each kept as ``(compiled, FLOPs
 # XLA leaves out)``, so a step found here is not traced again); ``make_train_step`` runs one of
 # them instead of compiling the same step again, and ``compile_counted`` returns one it already

@@ -15,7 +15,8 @@ checkpointing); :func:`policy` gives the others.
 
 XLA:CPU drops optimization barriers before it eliminates common subexpressions, so in straight-line
 code the backward gather would merge with the forward one and the weights would stay alive
-through the step (``experiments/benchmarks/units_memory.py``: 8 units of 4 MiB, 32.0 MiB of temp). The unit therefore runs inside a
+through the step (``experiments/benchmarks/units_memory.py``: 8 units of 4 MiB, 32.0 MiB of temp). The unit therefore
+runs inside a
 ``lax.cond`` whose predicate is always true (the device index is at least 0) but which XLA cannot
 fold: a conditional's branches are separate computations, so nothing is hoisted out of them or
 merged across them (the same 8 units: 8.2 MiB). For a unit of p bytes over N devices on a
@@ -46,11 +47,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .._describe import path_name
-from .._stack import GATHERED_NAME, remat_policy
-from .._unit_policy import common_prefix
-from .collectives import gather
-from .context import ACTIVE, SplitKernel
+from osdp_jax.core.describe import common_prefix, path_name
+from osdp_jax.core.stack import GATHERED_NAME, remat_policy
+from osdp_jax.runtime.collectives import gather
+from osdp_jax.runtime.context import ACTIVE, SplitKernel
 
 log = logging.getLogger("osdp_jax")
 
@@ -211,7 +211,8 @@ def shared(key, fn):
 
     def call(tree, *args, **kwargs):
         ctx = ACTIVE.get()
-        if ctx is None or ctx.recording or not all(isinstance(x, jax.Array) for x in jax.tree.leaves((tree, args, kwargs))):
+        if ctx is None or ctx.recording or not all(isinstance(x, jax.Array) for x in jax.tree.leaves((tree, args,
+                                                                                                      kwargs))):
             return fn(tree, *args, **kwargs)
         try:
             jitted = ctx.shared.get(key)

@@ -11,9 +11,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
+import toy  # noqa: E402
 
 import osdp_jax  # noqa: E402
-import toy  # noqa: E402
 from osdp_jax import _calibration  # noqa: E402
 from osdp_jax.planning import XlaCalibrator  # noqa: E402
 

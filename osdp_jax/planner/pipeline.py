@@ -1,0 +1,871 @@
+"""``plan()``: problem -> calibration -> cost -> search -> verification -> ``Plan``.
+
+Each stage is its own module: ``_problem`` (the choice columns and what applies where),
+``_calibration`` (probe steps, compiled or recorded), ``_cost`` (memory and time per choice),
+``_search`` (the exact Pareto search) and ``_verify`` (compile the choice, re-plan if needed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from osdp_jax.core.bytes import format_bytes, parse_bytes
+from osdp_jax.core.describe import check_optimizer, unboxed_treedef
+from osdp_jax.core.gc import paused
+from osdp_jax.core.hardware import default_hardware, resolve_hardware
+from osdp_jax.core.layout import check_dtype, whole_spec
+from osdp_jax.core.plan import ParamPlan, Plan
+from osdp_jax.core.stack import REMAT_POLICIES, check_remat
+from osdp_jax.core.strategies import (
+    DEFAULT_SPLITS,
+    GATHERED,
+    accumulation,
+    axes_size,
+    check_microbatches,
+    check_splits,
+    check_strategies,
+    data_axes,
+)
+from osdp_jax.planner import probe_store as _probe_store
+from osdp_jax.planner.calibration import (
+    MARGINS,
+    OVERLAPS,
+    UNIT_SCALES,
+    Calibrator,
+    XlaCalibrator,
+    calibrate,
+    probe_choices,
+    probe_requests,
+    step_split_bytes,
+    step_split_probe,
+    uncalibrated,
+)
+from osdp_jax.planner.cost import cost_tables, optimizer_bytes
+from osdp_jax.planner.loss import PlainLoss
+from osdp_jax.planner.problem import Problem, build_problem
+from osdp_jax.planner.search import (
+    BeyondBound,
+    InfeasibleBudgetError,
+    Solution,
+    fastest_front,
+    least_memory,
+    lower_bound,
+)
+from osdp_jax.planner.segments import expand, expand_choices, param_columns, segments
+from osdp_jax.planner.unit_policy import unmarked_list
+from osdp_jax.planner.verify import Superseded, verify
+from osdp_jax.runtime.step import (
+    PROBE_TOLERANCE,
+    check_batch_leaves,
+    compile_count,
+    compile_seconds,
+    profile_checked,
+    profile_step,
+)
+
+log = logging.getLogger("osdp_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What :func:`plan` searches over and how, as one value: ``plan(params, mesh, options)``.
+
+    Every field is also a keyword of ``plan``; the comments beside the fields say what each one
+    does, and the [planning guide](../guides/planning.md) explains them."""
+
+    budget: int | str | None = None  # per-device bytes, or "512MiB"/"8GB"; None: the device's memory
+    loss_fn: object = None  # loss_fn(params, batch) -> mean loss; with batch, the step is compiled
+    batch: object = None  # an example global batch (leading dimension = global batch size)
+    batch_sizes: tuple[int, ...] | None = None  # global batch sizes to sweep (default: batch's)
+    optimizer: object = None  # an optax optimizer; None: optax.adam's state, with a warning
+    hardware: object = None  # Hardware, preset name, profile .json or dict; None: from the mesh
+    strategies: tuple[str, ...] | None = None  # allowed strategies (default all that apply)
+    axis: object = None  # data-parallel mesh axes (default all)
+    splits: tuple[int, ...] = DEFAULT_SPLITS  # candidate split counts for sharded dense kernels
+    verify: bool | str = True  # compile the chosen plan for XLA's figures and re-plan if its peak exceeds
+    #                            the budget; "full": compile it to run (training reuses it); False: none
+    measure_time: bool = False  # time the probes on the mesh and scale the time model to them
+    calibrator: Calibrator | None = None  # where probe figures come from (default: compile them)
+    remat: tuple[str, ...] = REMAT_POLICIES  # remat policies the search may give a stack's layers
+    per_layer: bool = True  # decide each layer of a stack (segments); False: one choice per stack
+    segment_gain: float = 0.0  # predicted speed-up each segment of a stack beyond its first must bring
+    #                            (0.01: 1%), or a plan with every layer alike is taken; 0: the fastest plan
+    units: object = None  # unit patterns (osdp_jax.units); None: the default policy; (): no units
+    unit_remat: str = "full"  # the remat policy units run under
+    compute_dtype: str | None = None  # e.g. "bfloat16": sharded parameters gathered in it (fp32 masters)
+    microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
+    has_aux: bool = False  # loss_fn returns (loss, aux), as make_train_step(has_aux=True) takes it
+    rng: bool = False  # loss_fn takes rng=, as make_train_step(rng=True) gives it
+    state: object = None  # mutable collections (arrays or ShapeDtypeStructs): loss_fn takes state= and
+    #                       returns (loss, new_state), as make_train_step(state=True) takes it
+
+
+@paused()
+def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
+    """The highest-throughput plan whose whole training step fits ``budget`` per device.
+
+    Args:
+      params: any params pytree (plain, linen boxed or not, ``nnx.State``); arrays or
+        ``jax.ShapeDtypeStruct``. Nothing is allocated.
+      mesh: the device mesh; ``axis`` names its data-parallel axes (default: all of them).
+      options: a :class:`PlanOptions`; or pass its fields as keywords: ``budget``, ``loss_fn``,
+        ``batch``, ``batch_sizes``, ``optimizer``, ``hardware``, ``strategies``, ``axis``, ``splits``
+        (``(1,)`` disables operator splitting; a kernel gathered once per step is split only when
+        splitting all such kernels could shrink them by ``STEP_SPLIT_SHARE``, 1%, of the budget),
+        ``verify`` (True, the default, or ``"figures"``: compile the chosen plan for XLA's
+        figures only, as the probes are, about a third of a full compile on XLA:CPU and within
+        1 KiB of its peak there (exact elsewhere), and ``make_train_step`` compiles it to run;
+        ``"full"``: compile it to run here, the executable ``make_train_step`` then takes (no
+        compile there), checked as a probe first when predicted within 10% of the budget: for a
+        plan trained at once, one compile less in all; False: trust the model),
+        ``measure_time`` (runs the probes on the
+        mesh; it allocates their memory), ``calibrator`` (e.g. a ``RecordedCalibrator``), ``remat``
+        (the policies a layer stack's layers may take, default ``("full", "dots", "none")``;
+        ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
+        takes the same choice, one segment), ``segment_gain`` (e.g. 0.01: a plan that cuts a
+        stack into s segments is taken only if its predicted samples/s beat the best plan with every
+        layer alike, one segment, by a factor ``(1 + segment_gain) ** (s - 1)``: each loop compiles
+        on its own, and on gpt2-48l-1536 a three-segment step took 2.2 to 3.1 times as long to compile
+        as a one-segment one; the default 0 takes the
+        fastest plan whatever its segments), ``units`` (``fnmatch`` patterns of the submodules
+        whose sharded weights are gathered on each call and again in the backward pass,
+        ``osdp_jax.units``; None: the default policy; ``()``: none) and ``unit_remat`` (the remat
+        policy units run under, default ``"full"``), ``compute_dtype`` (e.g. ``"bfloat16"``: every
+        sharded parameter is gathered, and its gradient reduce-scattered, in that dtype, at half
+        the bytes from float32; the stored shard, its update and its optimizer state keep the
+        parameter's dtype; the probes are compiled that way, so the memory terms are fitted on it),
+        ``microbatches`` (e.g. ``(1, 2, 4, 8)``: each global batch size is also tried as m
+        microbatches with gradient accumulation, ``Plan.microbatches``, and each parameter's
+        gradient summed whole or in its shard across them, ``ParamPlan.accumulate``; the default
+        ``(1,)`` does not accumulate), and ``has_aux``, ``rng`` and ``state`` (the mutable
+        collections, e.g. ``{"batch_stats": ...}``): the loss function as ``make_train_step``
+        takes it with those flags (``osdp_jax.planner.loss.PlainLoss``: the probes see zeros of the
+        state's shapes and a fixed key, and only the loss).
+
+    What compiled plans of a model teach the planner is kept in the process for its next plans
+    (``planning.clear_probe_cache`` forgets it): the probes, the pool overlap, the units' scale,
+    and the largest share of memory XLA needed over the model's prediction; a later plan of the
+    model leaves that share of its budget free (verified or not; ``MARGIN``, 0.5%, at least, on
+    every plan), unless that costs more than ``MARGIN_COST`` (1%) of predicted samples/s, when
+    the search's own choice is tried first.
+
+    A layer stack (parameters run by ``osdp_jax.layers.scan``) is decided per layer: the plan may
+    cut it into segments with their own strategy, split count and remat policy
+    (``Plan.segments``).
+
+    Raises:
+      InfeasibleBudgetError: no plan fits; ``.min_bytes`` is the smallest budget that would.
+    """
+    start = time.perf_counter()
+    plan_options = dataclasses.replace(options or PlanOptions(), **kwargs)
+    if plan_options.loss_fn is not None:
+        plan_options = dataclasses.replace(plan_options, loss_fn=PlainLoss.of(plan_options.loss_fn,
+                                                                              plan_options.has_aux, plan_options.rng,
+                                                                              plan_options.state))
+    strategies, splits = check_strategies(plan_options.strategies), check_splits(plan_options.splits)
+    axes = data_axes(mesh, plan_options.axis)
+    if "hsdp" in strategies and len(axes) < 2 and not set(strategies) - {"hsdp", "replicate"}:
+        raise ValueError(f"strategy 'hsdp' needs two or more data-parallel mesh axes (sharded inside the last, "
+                         f"replicated across the others); this mesh's are {list(axes)}, so every parameter would "
+                         f"be replicated. Use a 2-D mesh, e.g. jax.make_mesh((2, 4), ('node', 'data')), or "
+                         f"strategies=('zero3',)")
+    if plan_options.verify not in (True, False, "figures", "full"):
+        raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
+                         f"(compile the step training then runs) or False (trust the model), "
+                         f"got {plan_options.verify!r}")
+    check_segment_gain(plan_options.segment_gain)
+    policies = _policies(plan_options.remat)
+    hw = resolve_hardware(plan_options.hardware, mesh)
+    budget = parse_bytes(plan_options.budget) if plan_options.budget is not None else hw.memory_bytes
+    optimizer = _optimizer(plan_options.optimizer)
+    batches = _batches(plan_options.loss_fn, plan_options.batch, plan_options.batch_sizes, axes_size(mesh, axes))
+    problem = build_problem(params, mesh, axes, strategies, splits, plan_options.loss_fn,
+                            None if plan_options.batch is None else batches[min(batches)], plan_options.units,
+                            plan_options.unit_remat,
+                            check_dtype(plan_options.compute_dtype))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    check_optimizer(optimizer, abstract)
+    problem = _step_splits_worth_probing(problem, budget)
+    calibrator = plan_options.calibrator or XlaCalibrator(plan_options.loss_fn, optimizer, abstract, mesh,
+                                               default_hardware(mesh).memory_bytes)
+    one = functools.partial(_plan_problem, plan_options=plan_options, params=params, mesh=mesh, hw=hw, budget=budget,
+                            optimizer=optimizer,
+                            abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
+                            start=start)
+    # the counts some batch size splits into; without a loss function nothing is accumulated
+    counts = check_microbatches(plan_options.microbatches, None if plan_options.loss_fn is None else batches,
+                                axes_size(mesh, axes))
+    counts = counts if plan_options.loss_fn is not None else (1,)
+
+    n0, s0, r0 = compile_count(), compile_seconds(), _probe_store.reads()
+    # with the default unit policy's units, also without them: a unit saves memory for one more
+    # gather (and, under the default "full" unit remat, its forward pass again)
+    problems = [problem] if plan_options.units is not None or not problem.units else [problem,
+                                                                                      dataclasses.replace(problem,
+                                                                                                        units={})]
+    first = _replication_may_be_fastest(problem, plan_options, counts, calibrator, axes)
+    if first or (len(problems) > 1 and plan_options.loss_fn is not None and 1 in counts and hasattr(calibrator,
+                                                                                                    "compile_all")):
+        # the problems' probes in one batch on the compile threads (each problem's calibrate then
+        # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the
+        # other. Where every parameter replicated at the largest batch size is the fastest plan
+        # the model can give, its probe comes first, and the batch ends once XLA's peak of it fits
+        top, fits, replicated = max(batches), [], dataclasses.replace(problem, units={}).replicated_only()
+
+        def stop(job, figures) -> bool:  # passed only with ``first``
+            if job[0] is replicated:
+                fits.append(figures[0].peak_bytes <= budget)
+            return any(fits)
+
+        ddp_probe = [(replicated, probe_requests(replicated, {top: batches[top]})[1])] if first else []
+        calibrator.compile_all(ddp_probe + [(p, probe_requests(p, batches, plan_options.measure_time, policies)[1])
+                                            for p in problems], _progress, stop if first else None)
+        if any(fits):
+            log.info("every parameter replicated at batch size %d fits: the fastest plan by the model, so no "
+                     "other layout was probed", top)
+            ddp = one(replicated, batches={top: batches[top]})
+            return dataclasses.replace(ddp, planning_seconds=time.perf_counter() - start,
+                                       compiles=compile_count() - n0, compile_seconds=compile_seconds() - s0,
+                                       probes_read=_probe_store.reads() - r0)
+    runs = [functools.partial(one, p, microbatches=m) for p in problems for m in counts]
+    if plan_options.segment_gain and plan_options.per_layer and problem.stacks:  # also every layer of each stack alike
+        runs += [functools.partial(_one_segment, one, p, microbatches=m) for p in problems for m in counts]
+    try:
+        best = _fastest(runs, plan_options)
+    except InfeasibleBudgetError as e:
+        hint = _nnx_units_hint(params, problem, plan_options)
+        if not hint:
+            raise
+        raise InfeasibleBudgetError(f"{e}. {hint}", e.min_bytes) from None
+    if len(problems) > 1:
+        log.info("units: %s", "used" if best.units else "not used")
+    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
+                               compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
+
+
+def _replication_may_be_fastest(problem: Problem, plan_options: PlanOptions, counts, calibrator, axes) -> bool:
+    """Whether every parameter replicated, at the largest batch size and in one microbatch, is the
+    fastest plan the cost model can give wherever XLA's peak of it fits the budget (``plan``
+    probes that first): a replicated parameter's collective, ``a + 2(N-1)/N p/W`` s, is the least
+    of any strategy's (zero3 and zero2 ``2a + 2(N-1)/N p/W``, hsdp more, a split or a unit more
+    still, and a unit's forward pass recomputed), microbatches only add, and per-sample compute
+    is the same at every batch size while the collectives are per step, so samples/s grows with
+    the batch. Not when a layer stack's remat may take "dots" or "none" (fewer FLOPs than the
+    probes' "full"), nor with ``compute_dtype`` (zero3 then gathers fewer bytes than an
+    all-reduce moves), nor over several data-parallel axes (with a slower link between nodes,
+    hsdp's all-reduce of a shard across them beats a whole all-reduce: ``tests/test_hsdp.py``),
+    nor with timed probes or without a loss or a compiling calibrator."""
+    return (plan_options.loss_fn is not None and not plan_options.measure_time and not problem.stacks
+            and not plan_options.compute_dtype
+            and len(axes) == 1
+            and "replicate" in problem.strategies and 1 in counts and hasattr(calibrator, "compile_all")
+            and problem.any_sharded())  # else there is nothing else to probe
+
+
+def _nnx_units_hint(params, problem: Problem, plan_options: PlanOptions) -> str:
+    """For a budget no plan meets: when ``params`` are an nnx model's state with a list of modules
+    (``blocks/0``, ``blocks/1``, ...) and no units under the default policy, how units could meet
+    it (an nnx module is a unit only once marked); else ``""``."""
+    if not isinstance(params,
+                      nnx.State) or plan_options.loss_fn is None or plan_options.units is not None or problem.units:
+        return ""
+    listed = unmarked_list(i.path for i in problem.infos if i.path not in problem.in_loop)
+    if not listed:
+        return ""
+    shown = ", ".join(listed[:3]) + (", ..." if len(listed) > 3 else "")
+    return (f"The model's modules {shown} are not units: an nnx model's are found only once marked, so each "
+            f"sharded weight is gathered for the whole step. Call osdp_jax.units.mark(model) before nnx.split "
+            f"to gather each at its call, under remat (README, Units), which may need far less memory")
+
+
+def _fastest(runs, plan_options: PlanOptions) -> Plan:
+    """The plan of highest predicted throughput among ``runs`` (each ``run(plan_options=options) -> Plan``:
+    one problem, with or without units, at one microbatch count, per layer or with every layer of
+    a stack alike), weighed by ``o.segment_gain`` (:func:`_speed`); the least
+    ``InfeasibleBudgetError`` when none fits.
+
+    With several runs, each is first planned without verification (its probes are compiled, or
+    cached); then they are verified best first, until the best verified plan is at least as fast
+    as the next unverified one (verification only lowers a plan's budget, so it never makes a
+    plan faster): one verification compile, not one per run. A run whose plan
+    misses by XLA and would re-plan below the next draft's predicted speed yields to it at once
+    (``verify(floor=)``), and is finished only if no other run fits (the ViT's first unit budget
+    in ``experiments/benchmarks/foreign_models.py``: 7 compiles, where finishing the missed plan
+    without units first took 8)."""
+    if len(runs) == 1:
+        return runs[0](plan_options=plan_options)
+    speed = functools.partial(_speed, gain=plan_options.segment_gain)
+    drafts, errors, left = [], [], []
+    for run in runs:
+        try:
+            drafts.append((run(plan_options=dataclasses.replace(plan_options, verify=False)), run))
+        except InfeasibleBudgetError as e:  # the model says none fits; a probe may still, by XLA
+            errors.append(e)
+            left.append(run)
+    if not plan_options.verify or plan_options.loss_fn is None:
+        plans = [d for d, _ in drafts]
+        if not plans:
+            raise min(errors, key=lambda e: e.min_bytes)
+        return max(plans, key=speed)
+    best, deferred = None, []
+    order = sorted(drafts, key=lambda dr: speed(dr[0]), reverse=True)
+    for i, (draft, run) in enumerate(order + [(None, r) for r in left]):
+        if best is not None and (draft is None or speed(best) >= speed(draft)):
+            break  # nothing left can beat it (the runs the model found infeasible are a last resort)
+        # a draft that misses and re-plans below the next draft's predicted speed yields to it
+        # (in this run's own units: its draft's segments taken back out of the next draft's weighed speed)
+        floor = (_weighed(speed(order[i + 1][0])[0], plan_options.segment_gain, -_extra_loops(draft))
+                 if draft is not None and i + 1 < len(order) else None)
+        try:
+            plan = run(plan_options=plan_options, floor=floor)
+        except Superseded as e:
+            log.info("verification: %s; the next plan first", e)
+            deferred.append(run)
+            continue
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+            continue
+        best = plan if best is None or speed(plan) > speed(best) else best
+    for run in deferred if best is None else ():  # every other run failed: finish them
+        try:
+            plan = run(plan_options=plan_options)
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+            continue
+        best = plan if best is None or speed(plan) > speed(best) else best
+    if best is None:
+        raise min(errors, key=lambda e: e.min_bytes)
+    return best
+
+
+def _speed(plan: Plan, gain: float = 0.0) -> tuple:
+    """What ``_fastest`` maximises: predicted samples/s (or the shortest step), then the least
+    memory; with a ``gain`` (``PlanOptions.segment_gain``), the samples/s divided by ``(1 + gain)``
+    per segment beyond the first of each stack (:func:`_extra_loops`)."""
+    speed = plan.predicted_samples_per_second or -(plan.predicted_step_seconds or 0.0)
+    return (_weighed(speed, gain, _extra_loops(plan)) if gain else speed, -plan.predicted_peak_bytes)
+
+
+def _weighed(speed: float, gain: float, loops: int) -> float:
+    """``speed`` (samples/s, or minus the step's seconds) made ``(1 + gain) ** loops`` times worse;
+    negative ``loops`` undo it."""
+    return speed / (1 + gain) ** loops if speed > 0 else speed * (1 + gain) ** loops
+
+
+def check_segment_gain(gain) -> None:
+    """A ``ValueError`` unless ``gain`` is a number >= 0 (``PlanOptions.segment_gain``)."""
+    if isinstance(gain, bool) or not (isinstance(gain, (int, float)) and 0 <= gain < math.inf):
+        raise ValueError(f"segment_gain must be a number >= 0, the predicted speed-up each segment of a layer stack "
+                         f"beyond its first must bring (e.g. 0.01 for 1%; 0: the fastest plan), got {gain!r}")
+
+
+def _extra_loops(plan: Plan) -> int:
+    """Segments beyond the first of each layer stack of ``plan``: the parameters of one stack share
+    their segments' bounds, so each distinct sequence of bounds is one stack."""
+    stacks = {tuple((a, b) for a, b, *_ in segs) for segs in plan.segments.values()}
+    return sum(len(bounds) - 1 for bounds in stacks)
+
+
+def _one_segment(one, problem, *, plan_options: PlanOptions, microbatches: int = 1, floor=None) -> Plan:
+    """``one(problem)`` with every layer of each stack alike (``per_layer`` off): the plan a
+    ``segment_gain`` weighs the per-layer plan against."""
+    return one(problem, microbatches=microbatches, plan_options=dataclasses.replace(plan_options, per_layer=False),
+               floor=floor)
+
+
+def _accumulated(tables, microbatches: int, problem: Problem):
+    """Cost tables of a step run as m microbatches, from those of one microbatch (the columns of
+    ``problem.with_accumulation()``): the compute m times; per parameter, where its gradient is
+    summed (``_strategies.accumulation``):
+
+    - ``"shard"``: reduce-scattered in every microbatch into an accumulator of p / N bytes
+      (p / N_inner hsdp); a zero3/hsdp weight is gathered again in each (its collectives m times),
+      a zero2 weight is all-gathered once, after the update (m reduce-scatters and 1 all-gather:
+      (m + 1) / 2 its one-step collective time);
+    - ``"whole"``: summed into an accumulator of p bytes, reduced once; a zero3/hsdp weight
+      (kept) is gathered once, before the loop, and stays alive through it: p bytes more for the
+      step. A zero2 stack always sums whole (``runtime.step``).
+    """
+    if microbatches == 1:
+        return tables
+    time_, mem = tables.time.copy(), tables.mem.copy()
+    p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
+    stacked = np.array([i.path in problem.in_loop for i in problem.infos])
+    for c, (strategy, _, *rest) in enumerate(tables.columns):
+        whole = (stacked & (strategy == "zero2")) | (accumulation(strategy, *rest) == "whole")
+        mem[whole, c] += (p * (2 if strategy in GATHERED else 1))[whole]
+        mem[~whole, c] += (p / (problem.topo.inner if strategy == "hsdp" else problem.n))[~whole]
+        time_[~whole, c] *= microbatches if strategy in GATHERED else (microbatches + 1) / 2
+    return dataclasses.replace(tables, time=time_, mem=mem, base_time=tables.base_time * microbatches)
+
+
+def _plan_problem(problem: Problem, *, plan_options: PlanOptions, params, mesh, hw, budget, optimizer, abstract,
+                  batches,
+                  policies, calibrator, start, microbatches: int = 1, floor: float | None = None) -> Plan:
+    """calibrate -> cost -> search -> verify -> build, for one problem, with each global batch
+    size run as ``m`` microbatches (probed and costed at the microbatch's size)."""
+    strategies, axes = problem.strategies, problem.axes
+    if microbatches > 1:  # global sizes m microbatches divide; the probes run one microbatch
+        n = axes_size(mesh, axes)
+        batches = {b: x for b, x in batches.items() if b % (n * microbatches) == 0}
+        probe_batches = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // microbatches, *x.shape[1:]), x.dtype), x)
+                         for b, x in batches.items()}
+    else:
+        probe_batches = batches
+    calibrated = (calibrate(problem, calibrator, probe_batches, hw, plan_options.measure_time, _progress, policies)
+                  if plan_options.loss_fn is not None else uncalibrated(batches))
+    # where each gradient is summed, searched too
+    problem = problem.with_accumulation() if microbatches > 1 else problem
+    t0 = time.perf_counter()
+    opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
+
+    def tables_for(overlap: float, unit_scale: float = 1.0, sizes=None) -> dict:
+        """Cost tables per batch size (``sizes``: only those) with the pool overlap and unit scale."""
+        out = {}
+        for b in batches if sizes is None else sizes:
+            t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
+                            problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
+                            frozenset(problem.units), overlap, problem.gather_ratio(),
+                            frozenset(p for p, u in problem.units.items() if u == problem.last_unit),
+                            problem.saving_bytes(), unit_scale)
+            if microbatches > 1:  # the whole global batch is an argument; the probe held one microbatch of it
+                t = dataclasses.replace(_accumulated(t, microbatches, problem), base_mem=t.base_mem + (
+                    _batch_bytes(batches[b]) - _batch_bytes(probe_batches[b])) / axes_size(mesh, axes))
+            remat = calibrated.remat.get(b)
+            if remat and microbatches > 1:
+                remat = {policy: (temp, seconds * microbatches) for policy, (temp, seconds) in remat.items()}
+            out[b] = expand(problem, t, remat, policies, plan_options.per_layer)
+        return out
+
+    overlap_key = _overlap_key(calibrator, problem, probe_batches)
+    overlap_key = overlap_key if overlap_key is None or microbatches == 1 else (overlap_key, microbatches)
+    fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
+    prior = fitted is None and not problem.stacks and NO_LOOP_OVERLAP is not None  # (NO_LOOP_OVERLAP)
+    fitted = NO_LOOP_OVERLAP if prior else fitted
+    scale = UNIT_SCALES.get(overlap_key, 1.0) if overlap_key is not None else 1.0
+    tables = tables_for(fitted or 0.0, scale)
+    fronts: dict = {}  # the searches' Pareto fronts, for the re-plans under lowered budgets
+    # the largest share XLA needed over the model on an earlier compiled plan of this model (kept
+    # in MARGINS, as the pool overlap is kept), MARGIN at least: the plan leaves it free (a re-plan
+    # at another budget, a sweep, meets the same error), unless that costs over MARGIN_COST of the
+    # predicted samples/s; then the search's choice is verified first
+    share = max(MARGINS.get(overlap_key, 0.0) if overlap_key is not None else 0.0, MARGIN)
+    carried = budget * share / (1 + share)  # bytes; 0 once a refit changes the model (run reads it late)
+    # searched under the lowered limit first: when that plan is within MARGIN_COST of what the LP
+    # bound allows at the full budget, the margin costs less than that and the search at the full
+    # budget is not run (near the budget it is the longer one: 1.6 s of a 6 s re-plan of
+    # gpt2-48l-1536, the plans within MARGIN_COST of its optimum being many)
+    safe = _search(tables, budget - carried, fronts)[0] if carried > 0 else None
+    if safe is not None and safe[5] and safe[0] >= (1 - MARGIN_COST) * _bound(tables, budget):
+        best, min_needed = safe, 0.0
+    else:
+        best, min_needed = _search(tables, budget, fronts)
+    seconds = time.perf_counter() - t0
+    # compiled layouts with their XLA peaks (a probe of one microbatch is not the accumulated step)
+    known = _known(problem, calibrated.probes, tables) if microbatches == 1 else []
+    verifying = plan_options.loss_fn is not None and plan_options.verify
+    if best is None and not (verifying and any(peak <= budget for _, peak in known)):
+        # never above a layout XLA was shown to fit, when plan() at that budget would verify and take it
+        least = min([min_needed, *(peak for _, peak in known if verifying)])
+        raise InfeasibleBudgetError(_infeasible_message(budget, least, strategies, axes), math.ceil(least))
+
+    verified = _Compiles()
+    compiled: dict = {}  # the candidate of the last plan built with its XLA peak
+
+    def build(candidate, xla_peak=None, overlap=fitted or 0.0, unit_scale=scale):
+        if xla_peak is not None:
+            compiled["candidate"], compiled["peak"] = candidate, xla_peak
+        counts = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds",
+                                                                              0.0) + verified.seconds
+        return dataclasses.replace(_build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
+                                          (time.perf_counter() - start, *counts), overlap, unit_scale),
+                                   microbatches=microbatches)
+
+    errors: list = []
+    if carried > 0 and best is not None and best[0] > 0:
+        ready = [c for c, peak in known if peak <= budget]  # compiled layouts (probes') that fit by XLA
+        take = [c for c in (*ready, safe) if c is not None]
+        safe = max(take, key=lambda c: c[0], default=None)
+        best = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * best[0] else best
+    if not verifying:
+        return build(best)
+    # by default compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU within 1 KiB
+    # of temp of the default compile), not the optimised executable, which make_train_step compiles
+    figures_only = "probe" if plan_options.verify != "full" else False
+    if figures_only:
+        peak_of = verified(lambda p: profile_step(plan_options.loss_fn, optimizer, abstract, batches[p.batch_size],
+                                                  mesh, p,
+                                                  figures_only=figures_only).peak_bytes)
+    else:
+        def peak_of_plan(p):
+            args = (plan_options.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
+            if p.predicted_peak_bytes <= CHECK_ABOVE * budget:  # a miss would be a model error over 10%
+                return profile_step(*args).peak_bytes
+            # near the budget, checked as a probe first: a plan over it is not compiled in full
+            return profile_checked(*args, lambda f: f.peak_bytes <= budget + PROBE_TOLERANCE).peak_bytes
+
+        peak_of = verified(peak_of_plan)
+
+    def run(tables, first, known, overlap, unit_scale=scale, floor=None):
+        return verify(first, budget, lambda limit, lessons: _search(tables, limit, fronts, lessons)[0],
+                      lambda: _least_memory(tables),
+                      functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor,
+                      carried, errors)
+
+    def replan(tables, overlap, unit_scale=scale):
+        """The compiled candidate costed on ``tables`` (refitted) with its XLA peak, or the search's
+        plan on them if it differs and is faster (verified)."""
+        _, size, sol, _, _, _ = compiled["candidate"]
+        xla = compiled["peak"]
+        first = (_costed(size, sol.choices, tables[size]), xla, overlap, unit_scale)
+        second = _search(tables, budget, fronts)[0]
+        if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
+            return build(*first)
+        other = run(tables, second, _known(problem, calibrated.probes, tables) if microbatches == 1 else [], overlap,
+                    unit_scale)
+        return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
+
+    plan = run(tables, best, known, fitted or 0.0, floor=floor)
+    if overlap_key is not None and errors:
+        MARGINS[overlap_key] = max(share, *errors)
+    _, size, sol, _, _, _ = compiled["candidate"]
+    # judged by the model alone: a verification's lessons (charges on the layers a miss changed)
+    # are in the plan's prediction, and would hide an error every plan shares
+    modelled = _costed(size, sol.choices, tables[size])
+    off = abs(_predicted(modelled) - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
+    if fitted is not None and not off and not prior:
+        return plan  # fitted on an earlier plan of this model, and it holds for this one
+    # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
+    plain = _costed(size, sol.choices, tables_for(0.0, scale, [size])[size]) if fitted else modelled
+    overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
+    if prior and not off:  # NO_LOOP_OVERLAP held: what this compile shows is kept for the next plans
+        if overlap is not None and overlap_key is not None:
+            OVERLAPS[overlap_key] = overlap
+        return plan
+    if overlap is not None and overlap != fitted:
+        if overlap_key is not None:
+            OVERLAPS[overlap_key] = overlap
+            MARGINS.pop(overlap_key, None)  # the misses were the old overlap's
+        carried = 0.0
+        # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
+        # `overlap` of the smaller pool beside the larger: search again with that, and keep the
+        # faster of the two plans (both fit by XLA), each predicted with the fitted overlap
+        log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
+                 overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+        return replan(tables_for(overlap, scale), overlap)
+    if not off or not plan.units:
+        return plan
+    # the plan's units saved less (or more) together than the sum of what each is charged to save
+    # (their savings do not add): scale them to the compile
+    ours = fitted or 0.0
+    without = _predicted(_costed(size, sol.choices, tables_for(ours, 0.0, [size])[size]))
+    saved = without - _predicted(_costed(size, sol.choices, tables_for(ours, 1.0, [size])[size]))  # at scale 1
+    if saved < 0.02 * plan.xla_peak_bytes:
+        return plan
+    new = float(np.clip((without - plan.xla_peak_bytes) / saved, 0.0, 2.0))
+    if overlap_key is not None:
+        UNIT_SCALES[overlap_key] = new
+        MARGINS.pop(overlap_key, None)
+    carried = 0.0
+    log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
+             new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+    return replan(tables_for(ours, new), ours, new)
+
+
+def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:
+    """``problem``, or, when splitting every per-step splittable kernel at its largest k would
+    shrink their gathered bytes by under ``STEP_SPLIT_SHARE`` of the budget, ``problem`` with those
+    kernels never split: what such a split saves, ``tau (1 - 1/k) p`` bytes of temp (``_cost``,
+    tau at most zeta, about 2), is under twice that share, and calibrating it costs the
+    SPLIT_STEP probe, one compile of about ten (bert-mini's MLM dense kernel: 14 KiB of 4 MiB)."""
+    kernels = step_split_probe(problem)
+    most = step_split_bytes(problem)
+    if not kernels or most >= STEP_SPLIT_SHARE * budget:
+        return problem
+    log.info("per-step kernels not split: at most %s of gathered weights to save, under %.0f%% of the budget",
+             format_bytes(most), 100 * STEP_SPLIT_SHARE)
+    return problem.without_splits(kernels)
+
+
+# per-step kernels are split only if that can shrink their gathered bytes by this share of the budget
+STEP_SPLIT_SHARE = 0.01
+MARGIN_COST = 0.01  # a plan gives up at most this share of predicted samples/s to leave an earlier plan's error free
+# the share of the budget a plan leaves free when no larger error of the model was seen (as an earlier
+# plan's error is left free, within MARGIN_COST): the cost model's errors on mixed plans where it is
+# right (gpt2-48l-1536 at batch 128, per-layer splits interpolated between their probes: +21 MiB of
+# 11.2 GiB, 0.2%) would otherwise cost a plan packed up to its budget a second compile
+MARGIN = 0.005
+# the pool overlap a model with no layer stack starts from until a compiled plan of it shows its own:
+# there every weight gathered per step is gathered outside a loop, which XLA keeps alive for the whole
+# step, beside the replicated gradients' all-reduce buffer at its end. Fitted on the first mixed plan
+# of each model of tests/foreign.py: 1.00 (einsum LM, ResNet), 0.96 (ViT); starting
+# from 0, that first plan was predicted 6.5 to 10.8% under XLA's peak and planned again, one compile more
+# (experiments/results/planning_time.md). None: start from 0, as a model with a layer stack does
+NO_LOOP_OVERLAP: float | None = 1.0
+REFIT = 0.05  # a compiled plan predicted further than this from XLA's peak refits the pool overlap or the unit scale
+CHECK_ABOVE = 0.9  # a plan predicted above this share of the budget is compiled as a probe before in full
+
+
+def _overlap_key(calibrator, problem: Problem, batches: dict):
+    """What a fitted pool overlap is kept under: the all-replicate probe's key (the loss's fingerprint,
+    optimizer, parameters, batch shapes and mesh) with the units; None for recorded probes."""
+    key = getattr(calibrator, "_key", None)
+    if key is None or not getattr(calibrator, "cache", False):
+        return None
+    probe = key(problem.layout(), batches[min(batches)], False, problem.fingerprint)
+    return None if probe is None else (probe, tuple(sorted(problem.units.items())))
+
+
+def _pool_sums(candidate) -> tuple[float, float]:
+    """The candidate's two transient pools (replicated-gradient buffer, per-step gathered weights)."""
+    _, _, sol, items, _, _ = candidate
+    idx = np.arange(len(sol.choices))
+    a, b = items.pools[idx, sol.choices].sum(axis=0)[:2]
+    return float(a), float(b)
+
+
+def _predicted(candidate) -> float:
+    """A search candidate's predicted peak bytes (``_candidate``: base memory + its solution's)."""
+    return candidate[3].base_mem + candidate[2].mem
+
+
+def _refit_overlap(candidate, xla_peak: float, again: bool = False) -> float | None:
+    """The pool overlap omega (``_cost``) that makes the compiled ``candidate``'s prediction (costed
+    with omega = 0) XLA's peak; None when its smaller pool is under 2% of the peak (a plan nearly
+    all replicated or all sharded, where omega does not show) or, fitting the first time
+    (``again`` False), omega stays within 0.05 of 0."""
+    a, b = _pool_sums(candidate)
+    if min(a, b) < 0.02 * xla_peak:
+        return None
+    overlap = float(np.clip((xla_peak - _predicted(candidate)) / min(a, b), 0.0, 1.0))  # omega 0: max(a, b)
+    return overlap if overlap > 0.05 or again else None
+
+
+def _policies(remat) -> tuple[str, ...]:
+    policies = (remat,) if isinstance(remat, str) else tuple(remat)
+    if not policies:
+        raise ValueError(f"remat needs at least one policy of {list(REMAT_POLICIES)}")
+    return tuple(check_remat(p) for p in policies)
+
+
+def _optimizer(optimizer):
+    if optimizer is None:
+        # the documented default; said each call, since the state's size is part of every figure
+        log.warning("osdp_jax.plan: optimizer=None, so the plan counts optax.adam's state (two moments "
+                    "per parameter, 2x the parameter bytes); pass optimizer= the one you train with")
+        return optax.adam(1e-3)
+    return optimizer
+
+
+def _batches(loss_fn, batch, batch_sizes, n: int) -> dict:
+    """``{global batch size: abstract batch}`` to sweep (``{None: None}`` without a batch)."""
+    if batch is None:
+        if loss_fn is not None:
+            raise ValueError("loss_fn needs an example batch: pass batch=...")
+        return {None: None}
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    leading = check_batch_leaves(batch)
+    sizes = sorted(set(batch_sizes)) if batch_sizes is not None else [leading]
+    bad = [b for b in sizes if b % n or b <= 0]
+    if bad:
+        raise ValueError(f"batch size {bad[0]} is not a positive multiple of the {n} data-parallel devices; "
+                         f"use multiples of {n}")
+    return {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype), batch) for b in sizes}
+
+
+def _batch_bytes(batch) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(batch)) if batch else 0
+
+
+PROGRESS_DELAY = 0.5  # seconds: a bar is drawn only for work that takes longer (probes found kept take none)
+
+
+def _progress(jobs, desc):
+    """``jobs`` under a tqdm bar, drawn once they take over :data:`PROGRESS_DELAY`; while it runs,
+    log records reach the console through ``tqdm.write`` (``logging_redirect_tqdm``), so a log line
+    never lands inside the bar."""
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm():
+        yield from tqdm(jobs, total=len(jobs), desc=desc, leave=False, disable=len(jobs) < 2, delay=PROGRESS_DELAY)
+
+
+def _candidate(size, sol, tables):
+    """A search result: (samples/s or -time to maximise, batch size, solution, tables, seconds, samples/s)."""
+    step_s = tables.base_time + sol.time
+    sps = size / step_s if size is not None and step_s > 0 else None
+    return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
+
+
+def _solve(tables, budget: float, fronts: dict, extra=None, give_up: float = math.inf, lb: float | None = None):
+    """The optimum of the tables ``t`` under ``budget`` bytes, as ``(tables, Solution)``: from the
+    Pareto front in ``fronts`` (one planning's, ``id(tables) -> (tables, Front)``) when one was
+    built for them for as much memory or more and holds a plan within ``budget`` (a re-plan under
+    a lowered budget searches no further), else by ``fastest_front``, kept. With ``extra``
+    (bytes per item and choice, the verification's lessons): the optimum of ``t`` with ``extra``
+    added to its memory, and those tables. ``give_up`` (seconds of the items): no search for
+    plans slower; ``BeyondBound`` when none within ``budget`` is as fast. ``lb``: the LP bound of
+    the tables (with ``extra``) under ``budget``, when known."""
+    if extra is not None:
+        taught = dataclasses.replace(tables, mem=tables.mem + extra)
+        return taught, fastest_front(taught.time, taught.mem, taught.pools, budget, give_up, lb=lb).best(budget)
+    kept = fronts.get(id(tables))
+    if kept is not None and kept[0] is tables and kept[1].budget >= budget:
+        try:
+            return tables, kept[1].best(budget)
+        except BeyondBound:  # the optimum is slower than that search's bound
+            pass
+    front = fastest_front(tables.time, tables.mem, tables.pools, budget, give_up, lb=lb)
+    fronts[id(tables)] = (tables, front)
+    return tables, front.best(budget)
+
+
+def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
+    """The best candidate over every batch size under ``limit`` bytes, and the least any needs;
+    ``fronts`` keeps the Pareto fronts searched (:func:`_solve`); each ``_verify.Lesson`` adds
+    its penalty to the memory of its batch size's choices.
+
+    Batch sizes are searched in order of the samples/s their LP bound allows (``lower_bound``),
+    each only for plans faster than the best so far: ``size / sps - base_time`` seconds of its
+    items at most, and not at all when its bound is below the best. The best is the largest
+    samples/s, the smallest batch size of equals, as if each were searched in full."""
+    best, min_needed = None, math.inf
+    order = []
+    for size, t in tables_for.items():
+        extra = None
+        for lesson in (x for x in lessons if x.size == size):
+            extra = lesson.penalty(t.mem.shape) + (0.0 if extra is None else extra)
+        mem = t.mem if extra is None else t.mem + extra
+        least = lower_bound(t.time, mem, t.pools, limit - t.base_mem)
+        order.append((-_bound_speed(size, t, least), len(order), size, t, extra, least))
+    for _, _, size, t, extra, least in sorted(order, key=lambda x: x[:2]):
+        give_up = math.inf
+        if best is not None and size is not None and best[5]:
+            give_up = size / best[5] - t.base_time
+        try:
+            searched, sol = _solve(t, limit - t.base_mem, fronts, extra, give_up, least)
+        except InfeasibleBudgetError as e:
+            min_needed = min(min_needed, e.min_bytes + t.base_mem)
+            continue
+        except BeyondBound:  # no plan at this size is as fast as the best
+            continue
+        found = _candidate(size, sol, searched)
+        if best is None or (found[0], -(size or 0)) > (best[0], -(best[1] or 0)):
+            best = found
+    return best, min_needed
+
+
+def _bound_speed(size, tables, least: float) -> float:
+    """A candidate's first field (samples/s) at batch ``size`` for ``least`` seconds of items (an
+    LP bound): at least the optimum's."""
+    return _candidate(size, Solution(np.zeros(0, np.int64), least, 0.0), tables)[0]
+
+
+def _bound(tables_for: dict, limit: float) -> float:
+    """The most samples/s the LP bound allows over every batch size under ``limit`` bytes (at least
+    the optimum's)."""
+    return max(_bound_speed(size, t, lower_bound(t.time, t.mem, t.pools, limit - t.base_mem))
+               for size, t in tables_for.items())
+
+
+def _known(problem: Problem, probes: dict, tables_for: dict) -> list:
+    """The calibration probes as candidates, each with its XLA peak (those the columns express)."""
+    known = []
+    for (kind, size), prof in probes.items():
+        choices = probe_choices(problem, kind)
+        if choices is None or size not in tables_for or any(  # a remat probe's stack mixes two policies
+                kind.remat_layers(n) < n for n in map(problem.stack_layers, range(len(problem.stacks)))):
+            continue
+        t = tables_for[size]
+        choices = expand_choices(t, choices, kind.remat)
+        if choices is None:
+            continue
+        known.append((_costed(size, choices, t), prof.peak_bytes))
+    return known
+
+
+def _costed(size, choices, tables):
+    """The candidate that takes ``choices`` (one column per item) on the items ``t``."""
+    idx = np.arange(len(choices))
+    mem = float(tables.mem[idx, choices].sum() + tables.pools[idx, choices].sum(axis=0).max())
+    return _candidate(size, Solution(choices, float(tables.time[idx, choices].sum()), mem), tables)
+
+
+def _least_memory(tables_for: dict):
+    """The candidate with the smallest predicted peak, at the smallest batch size."""
+    size = next(iter(tables_for))
+    t = tables_for[size]
+    return _candidate(size, least_memory(t.time, t.mem, t.pools), t)
+
+
+class _Compiles:
+    """Counts and times the verification compiles of one plan() call (a step found compiled
+    already, ``runtime.step.compile_count``, is not a compile)."""
+
+    def __init__(self):
+        self.count, self.seconds = 0, 0.0
+
+    def __call__(self, fn):
+        def timed(*args):
+            t0, n0 = time.perf_counter(), compile_count()
+            try:
+                return fn(*args)
+            finally:
+                self.count += compile_count() - n0
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+
+def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla_peak=None,
+           timing=(0.0, 0, 0.0), overlap: float = 0.0, unit_scale: float = 1.0) -> Plan:
+    _, size, sol, items, step_s, sps = candidate
+    whole = param_columns(items, sol.choices)
+    segs = segments(problem, items, sol.choices)
+    pps = []
+    for k, i in enumerate(problem.infos):
+        if i.path in segs:
+            s = segs[i.path]
+            head = next(x for x in s if x.spec == whole_spec(s))
+            pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=head.strategy,
+                                 spec=head.spec, nbytes=i.nbytes, in_loop=True, split=head.split,
+                                 two_stage=head.two_stage, dense=i.path in problem.dense, segments=s,
+                                 gather_dtype=problem.compute_dtype if any(x.strategy in GATHERED for x in s)
+                                 else ""))
+            continue
+        c = whole[k]
+        strategy, split, *accumulate = problem.columns[c]
+        pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=strategy,
+                             spec=problem.options[k][c], nbytes=i.nbytes, in_loop=i.path in problem.in_loop,
+                             split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
+                             unit=problem.units.get(i.path, "") if strategy in GATHERED and split == 1 else "",
+                             gather_dtype=problem.compute_dtype if strategy in GATHERED else "",
+                             accumulate=accumulate[0] if accumulate else ""))
+    collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
+                            if kind != "remat"))
+    return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,
+                predicted_peak_bytes=items.base_mem + sol.mem,
+                predicted_step_seconds=step_s if size is not None else None,
+                predicted_collective_seconds=collectives if size is not None else None,
+                predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
+                search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
+                compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat, pool_overlap=overlap,
+                unit_scale=unit_scale)
+
+
+def _infeasible_message(budget, min_needed, strategies, axes) -> str:
+    """Names only the strategies that apply on this mesh, and advises zero3 only if not allowed."""
+    usable = [s for s in strategies if s != "hsdp" or len(axes) > 1]
+    advice = "Raise the budget" + (", allow 'zero3'" if "zero3" not in strategies else "") + \
+        ", or use a smaller batch size"
+    return (f"no plan fits a per-device budget of {format_bytes(budget)} ({budget} bytes) with strategies "
+            f"{usable}; the smallest budget that fits is {format_bytes(min_needed)} ({math.ceil(min_needed)} "
+            f"bytes). {advice}")
