@@ -651,3 +651,16 @@ def test_a_kept_step_is_found_without_tracing_it_again(mesh, setup):
         again = osdp_jax.profile_step(loss, opt, params, batch, mesh, layout, figures_only=figures_only)
         assert traced > 0 and len(calls) == traced and compile_count() == n
         assert again == first
+
+
+def test_budget_least_gives_the_least_memory_plan(mesh):
+    """``budget="least"``: a plan at the least budget any plan needs, fitting by XLA's figure; no
+    plan fits 1% under it, and a generous budget's plan needs more."""
+    _, params, loss_fn, batch = toy.stack_setup(n_layer=2, batch=16)
+    least = osdp_jax.plan(params, mesh, budget="least", loss_fn=loss_fn, batch=batch, optimizer=optax.adam(1e-3))
+    assert least.xla_peak_bytes <= least.budget_bytes
+    with pytest.raises(osdp_jax.InfeasibleBudgetError):
+        osdp_jax.plan(params, mesh, budget=int(least.budget_bytes * 0.99), loss_fn=loss_fn, batch=batch,
+                      optimizer=optax.adam(1e-3))
+    roomy = osdp_jax.plan(params, mesh, budget=2**30, loss_fn=loss_fn, batch=batch, optimizer=optax.adam(1e-3))
+    assert roomy.xla_peak_bytes > least.xla_peak_bytes

@@ -1,8 +1,8 @@
 """``plan()``: problem -> calibration -> cost -> search -> verification -> ``Plan``.
 
-Each stage is its own module: ``_problem`` (the choice columns and what applies where),
-``_calibration`` (probe steps, compiled or recorded), ``_cost`` (memory and time per choice),
-``_search`` (the exact Pareto search) and ``_verify`` (compile the choice, re-plan if needed).
+Each stage is its own module of ``osdp_jax.planner``: ``problem`` (the choice columns and what
+applies where), ``calibration`` (probe steps, compiled or recorded), ``cost`` (memory and time per
+choice), ``search`` (the exact Pareto search) and ``verify`` (compile the choice, re-plan if needed).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class PlanOptions:
     Every field is also a keyword of ``plan``; the comments beside the fields say what each one
     does, and the [planning guide](../guides/planning.md) explains them."""
 
-    budget: int | str | None = None  # per-device bytes, or "512MiB"/"8GB"; None: the device's memory
+    budget: int | str | None = None  # per-device bytes, "512MiB"/"8GB", or "least"; None: the device's memory
     loss_fn: object = None  # loss_fn(params, batch) -> mean loss; with batch, the step is compiled
     batch: object = None  # an example global batch (leading dimension = global batch size)
     batch_sizes: tuple[int, ...] | None = None  # global batch sizes to sweep (default: batch's)
@@ -108,9 +108,32 @@ class PlanOptions:
     #                       returns (loss, new_state), as make_train_step(state=True) takes it
 
 
+LEAST_TRIES = 4  # budget="least": plans at the least budget the last try's error names, at most this often
+
+
+def _least_memory_plan(params, mesh, plan_options: PlanOptions) -> Plan:
+    """``plan(budget="least")``: the fastest plan at the least per-device budget any plan of the
+    search space needs. A first plan at 1 byte raises the least budget it can predict
+    (``InfeasibleBudgetError.min_bytes``); the plan made there is verified as every plan is, and
+    where XLA's figure misses it, planning again at the budget that miss names."""
+    budget = 1
+    for _ in range(LEAST_TRIES):
+        try:
+            return plan(params, mesh, dataclasses.replace(plan_options, budget=budget))
+        except InfeasibleBudgetError as error:
+            if error.min_bytes <= budget:
+                raise
+            budget = math.ceil(error.min_bytes)
+    return plan(params, mesh, dataclasses.replace(plan_options, budget=budget))
+
+
 @paused()
 def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     """The highest-throughput plan whose whole training step fits ``budget`` per device.
+
+    ``budget="least"`` asks for the least-memory plan instead: the fastest plan at the least
+    per-device budget any plan of the search space needs (at a generous budget, units and remat
+    are chosen for speed, so even an all-ZeRO-3 plan there is not the least-memory one).
 
     Args:
       params: any params pytree (plain, linen boxed or not, ``nnx.State``); arrays or
@@ -166,6 +189,8 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     """
     start = time.perf_counter()
     plan_options = dataclasses.replace(options or PlanOptions(), **kwargs)
+    if isinstance(plan_options.budget, str) and plan_options.budget.strip().lower() == "least":
+        return _least_memory_plan(params, mesh, plan_options)
     if plan_options.loss_fn is not None:
         plan_options = dataclasses.replace(plan_options, loss_fn=PlainLoss.of(plan_options.loss_fn,
                                                                               plan_options.has_aux, plan_options.rng,
@@ -707,11 +732,11 @@ def _candidate(size, sol, tables):
 
 
 def _solve(tables, budget: float, fronts: dict, extra=None, give_up: float = math.inf, lb: float | None = None):
-    """The optimum of the tables ``t`` under ``budget`` bytes, as ``(tables, Solution)``: from the
+    """The optimum of the ``tables`` under ``budget`` bytes, as ``(tables, Solution)``: from the
     Pareto front in ``fronts`` (one planning's, ``id(tables) -> (tables, Front)``) when one was
     built for them for as much memory or more and holds a plan within ``budget`` (a re-plan under
     a lowered budget searches no further), else by ``fastest_front``, kept. With ``extra``
-    (bytes per item and choice, the verification's lessons): the optimum of ``t`` with ``extra``
+    (bytes per item and choice, the verification's lessons): the optimum of ``tables`` with ``extra``
     added to its memory, and those tables. ``give_up`` (seconds of the items): no search for
     plans slower; ``BeyondBound`` when none within ``budget`` is as fast. ``lb``: the LP bound of
     the tables (with ``extra``) under ``budget``, when known."""
@@ -794,7 +819,7 @@ def _known(problem: Problem, probes: dict, tables_for: dict) -> list:
 
 
 def _costed(size, choices, tables):
-    """The candidate that takes ``choices`` (one column per item) on the items ``t``."""
+    """The candidate that takes ``choices`` (one column per item) on the items ``tables``."""
     idx = np.arange(len(choices))
     mem = float(tables.mem[idx, choices].sum() + tables.pools[idx, choices].sum(axis=0).max())
     return _candidate(size, Solution(choices, float(tables.time[idx, choices].sum()), mem), tables)

@@ -62,7 +62,7 @@ class Items:
 
 
 def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), per_layer: bool = True) -> Items:
-    """``t`` with every stacked parameter as one item per layer, and a remat item per layer of each
+    """``tables`` with every stacked parameter as one item per layer, and a remat item per layer of each
     stack. ``remat``: policy -> ``(bytes, seconds)`` per layer at this batch size, relative to
     "full" (None: only "full").
     Without ``per_layer``, one item per stacked parameter and one remat item per stack: every
