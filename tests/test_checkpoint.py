@@ -131,10 +131,19 @@ def _same_run(run, reference, tmp_path, steps=12):
         np.testing.assert_array_equal(mine[k], theirs[k], err_msg=k)
 
 
+def _kill_step(low: int, high: int) -> int:
+    """A kill step drawn from a seeded generator: the seed is printed (pytest shows it with a
+    failure), and ``OSDP_JAX_KILL_SEED`` replays a run."""
+    seed = int(os.environ.get("OSDP_JAX_KILL_SEED", random.randrange(2**32)))
+    step = random.Random(seed).randrange(low, high)
+    print(f"kill step {step} (OSDP_JAX_KILL_SEED={seed})")
+    return step
+
+
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, uninterrupted, split_plan):
     # a mixed plan with split kernels, killed after an arbitrary step: the checkpoint before it
     # exists, and the steps after the checkpoint were logged past it
-    step = random.Random().randrange(3, 11)
+    step = _kill_step(3, 11)
     out = tmp_path / "killed"
     _run_killed(out, _kill_after(step), plan_file=split_plan)
     assert Checkpoints(out / "checkpoints").latest() == (step + 1) // 3 * 3, step
@@ -175,7 +184,7 @@ def test_main_job_config_as_shipped_resumes_bit_identical(tmp_path):
     assert cli.main(["train", CONFIG, "--out", str(full), *args]) == 0
     counts = json.loads((full / "summary.json").read_text())["strategies"]
     assert counts.get("replicate") and counts.get("zero3"), counts  # a mixed plan
-    step = random.Random().randrange(4, 15)
+    step = _kill_step(4, 15)
     out = tmp_path / "killed"
     _run_killed(out, _kill_after(step), args=args)
     assert cli.main(["train", CONFIG, "--out", str(out), *args, "--resume"]) == 0

@@ -371,8 +371,13 @@ def test_plan_takes_the_train_steps_loss_with_aux_rng_and_state(mesh):
 
     def with_all(p, b, rng, state):
         return loss_fn(p, b) + 0 * jax.random.uniform(rng) + 0 * state["n"], ({"rows": b.shape[0]}, state)
-    kw = dict(budget="64GB", batch=batch, optimizer=optax.adam(1e-3), units=())
+    kw = dict(batch=batch, optimizer=optax.adam(1e-3), units=(), splits=(1,), verify=False)
+    # a budget between the all-zero3 and all-replicated peaks, so that the plan compared is mixed
+    peaks = [osdp_jax.plan(params, mesh, budget="64GB", loss_fn=loss_fn, strategies=(s,), **kw).predicted_peak_bytes
+             for s in ("zero3", "replicate")]
+    kw["budget"] = int(sum(peaks) / 2)
     plan = osdp_jax.plan(params, mesh, loss_fn=with_all, has_aux=True, rng=True, state={"n": np.float32(1)}, **kw)
+    assert {"zero3", "replicate"} <= set(jax.tree.leaves(plan.strategies)), plan.summary()
     assert plan.layout == osdp_jax.plan(params, mesh, loss_fn=loss_fn, **kw).layout
     with pytest.raises(TypeError, match="must return a scalar loss"):
         osdp_jax.plan(params, mesh, loss_fn=lambda p, b: (loss_fn(p, b), {}), **kw)
