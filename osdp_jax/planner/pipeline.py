@@ -433,10 +433,9 @@ def _accumulated(tables, microbatches: int, problem: Problem):
 
 
 def _plan_problem(problem: Problem, *, plan_options: PlanOptions, params, mesh, hw, budget, optimizer, abstract,
-                  batches,
-                  policies, calibrator, start, microbatches: int = 1, floor: float | None = None) -> Plan:
+                  batches, policies, calibrator, start, microbatches: int = 1, floor: float | None = None) -> Plan:
     """calibrate -> cost -> search -> verify -> build, for one problem, with each global batch
-    size run as ``m`` microbatches (probed and costed at the microbatch's size)."""
+    size run as ``microbatches`` microbatches (probed and costed at the microbatch's size)."""
     strategies, axes = problem.strategies, problem.axes
     if microbatches > 1:  # global sizes m microbatches divide; the probes run one microbatch
         n = axes_size(mesh, axes)
@@ -508,8 +507,8 @@ def _plan_problem(problem: Problem, *, plan_options: PlanOptions, params, mesh, 
     def build(candidate, xla_peak=None, overlap=fitted or 0.0, unit_scale=scale):
         if xla_peak is not None:
             compiled["candidate"], compiled["peak"] = candidate, xla_peak
-        counts = getattr(calibrator, "compiles", 0) + verified.count, getattr(calibrator, "seconds",
-                                                                              0.0) + verified.seconds
+        counts = (getattr(calibrator, "compiles", 0) + verified.count,
+                  getattr(calibrator, "seconds", 0.0) + verified.seconds)
         return dataclasses.replace(_build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
                                           (time.perf_counter() - start, *counts), overlap, unit_scale),
                                    microbatches=microbatches)
@@ -527,8 +526,7 @@ def _plan_problem(problem: Problem, *, plan_options: PlanOptions, params, mesh, 
     figures_only = "probe" if plan_options.verify != "full" else False
     if figures_only:
         peak_of = verified(lambda p: profile_step(plan_options.loss_fn, optimizer, abstract, batches[p.batch_size],
-                                                  mesh, p,
-                                                  figures_only=figures_only).peak_bytes)
+                                                  mesh, p, figures_only=figures_only).peak_bytes)
     else:
         def peak_of_plan(p):
             args = (plan_options.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
