@@ -335,6 +335,7 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     :func:`check_run_dir` already found for ``out`` (it is not checked again).
     """
     from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from osdp_jax.cli.checkpoint import Checkpoints, DamagedCheckpoint, fingerprint, import_params
     from osdp_jax.cli.preemption import Preempted
@@ -413,6 +414,9 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
                    initial=start, total=cfg.train.steps)
         if preemption is not None:
             preemption.deferred = True  # a signal from here on stops after the current step
+        # log records (orbax's, the planner's) written above the bar while it runs, not into it
+        redirect = logging_redirect_tqdm()
+        redirect.__enter__()
         try:
             for step in bar:
                 batch = batch_of(step)
@@ -441,6 +445,7 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
                     bar.close()
                     raise Preempted(signum, step + 1 if ckpt else None)
         finally:
+            redirect.__exit__(None, None, None)
             if metrics:
                 metrics.close()
         save(cfg.train.steps)
