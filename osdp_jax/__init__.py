@@ -10,6 +10,9 @@ per-device memory budget by XLA's own figure.
 >>> params = osdp_jax.shard(params, mesh, plan)                                      # doctest: +SKIP
 >>> step = osdp_jax.make_train_step(loss_fn, optimizer, plan, mesh)                 # doctest: +SKIP
 
+In a training step of your own, :func:`osdp_jax.value_and_grad` takes ``jax.value_and_grad``'s
+place and gathers the weights as the plan says.
+
 Advanced stages live in submodules: :mod:`osdp_jax.planning` (the planner's stages, recorded
 probes, caches), :mod:`osdp_jax.search` (the exact search on raw tables), :mod:`osdp_jax.layers`
 (layer stacks), :mod:`osdp_jax.units` (per-block gathering), :mod:`osdp_jax.split` (operator
@@ -29,6 +32,7 @@ from osdp_jax.planner.cache import enable_compilation_cache
 from osdp_jax.planner.discover import discover
 from osdp_jax.planner.pipeline import plan
 from osdp_jax.planner.search import InfeasibleBudgetError
+from osdp_jax.runtime.gradient import value_and_grad
 from osdp_jax.runtime.place import (
                                     Shardings,
                                     abstract_state,
@@ -39,7 +43,14 @@ from osdp_jax.runtime.place import (
                                     shardings,
                                     whole_target,
 )
-from osdp_jax.runtime.step import compile_step, make_eval_step, make_train_step, profile_step
+from osdp_jax.runtime.step import (
+    BudgetExceededError,
+    check_budget,
+    compile_step,
+    make_eval_step,
+    make_train_step,
+    profile_step,
+)
 
 __version__ = "0.1.0"
 
@@ -48,7 +59,7 @@ __all__ = [
     "plan", "plan_budgets", "Plan", "ParamPlan", "InfeasibleBudgetError", "enable_compilation_cache",
     # apply and train
     "shard", "init_opt_state", "abstract_state", "shardings", "Shardings", "batch_sharding", "make_train_step",
-    "make_eval_step",
+    "make_eval_step", "value_and_grad", "check_budget", "BudgetExceededError",
     # layer-stack checkpoints
     "merge_segments", "cut_segments", "whole_target", "Segment", "Segmented",
     # layouts by hand, and what the planner sees

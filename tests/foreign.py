@@ -304,3 +304,227 @@ def ddp_fsdp_peaks(params, loss_fn, batch, opt, mesh) -> tuple[int, int]:
     ends the foreign-model benchmarks place their budgets between."""
     return tuple(osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes
                  for layout in (osdp_jax.Layout.ddp(params, mesh), osdp_jax.Layout.fsdp(params, mesh)))
+
+
+class ResidualMlp(nn.Module):
+    """An unrolled stack of residual ``Dense`` blocks with LayerNorm (linen): parameter-heavy."""
+
+    width: int = 256
+    depth: int = 6
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = x + nn.Dense(self.width)(jax.nn.gelu(nn.LayerNorm()(x)))
+        return x
+
+
+def _regression_data(batch: int, width: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {"x": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)}
+
+
+def residual_mlp(depth=6, width=256, batch=64):
+    """``(params, loss_fn, batch)`` of :class:`ResidualMlp`, a regression on random data."""
+    model, data = ResidualMlp(width, depth), _regression_data(batch, width)
+    params = model.init(jax.random.key(0), data["x"])["params"]
+
+    def loss_fn(p, b):
+        return ((model.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
+    return params, loss_fn, data
+
+
+class NnxResidualBlock(nnx.Module):
+    def __init__(self, width, rngs):
+        self.norm, self.dense = nnx.LayerNorm(width, rngs=rngs), nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.dense(jax.nn.gelu(self.norm(x)))
+
+
+class NnxResidualMlp(nnx.Module):
+    """:class:`ResidualMlp` in nnx: a Python loop over an ``nnx.List`` of blocks."""
+
+    def __init__(self, width, depth, rngs):
+        self.blocks = nnx.List([NnxResidualBlock(width, rngs) for _ in range(depth)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def nnx_residual_mlp(depth=6, width=256, batch=64):
+    """``(params, loss_fn, batch)`` of :class:`NnxResidualMlp`, units marked (``osdp_jax.units.mark``)."""
+    graphdef, params = nnx.split(osdp_jax.units.mark(NnxResidualMlp(width, depth, nnx.Rngs(0))), nnx.Param)
+    data = _regression_data(batch, width)
+
+    def loss_fn(p, b):
+        return ((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2).mean()
+    return params, loss_fn, data
+
+
+def equinox_transformer(depth=4, d=64, heads=4, seq=16, vocab=128, batch=16, mark=True):
+    """``(params, loss_fn, batch)`` of an Equinox transformer written as Equinox code is: a Python
+    list of blocks of ``eqx.nn.MultiheadAttention``, ``eqx.nn.MLP`` and ``eqx.nn.LayerNorm``, an
+    ``eqx.nn.Embedding`` and an ``eqx.nn.Linear`` head, run per example under ``jax.vmap``; the
+    arrays split from the static parts with ``eqx.partition`` (units marked unless ``mark`` is
+    False)."""
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        norm1: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        norm2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.norm1, self.norm2 = eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d)
+            self.attn = eqx.nn.MultiheadAttention(heads, d, key=k1)
+            self.mlp = eqx.nn.MLP(d, d, 4 * d, 1, activation=jax.nn.gelu, key=k2)
+
+        def __call__(self, x):
+            h = jax.vmap(self.norm1)(x)
+            x = x + self.attn(h, h, h)
+            return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+    class Transformer(eqx.Module):
+        embed: eqx.nn.Embedding
+        blocks: list
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, depth + 2)
+            self.embed = eqx.nn.Embedding(vocab, d, key=keys[0])
+            self.blocks = [Block(k) for k in keys[1:-1]]
+            self.head = eqx.nn.Linear(d, vocab, key=keys[-1])
+
+        def __call__(self, tokens):
+            x = jax.vmap(self.embed)(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(x)
+
+    model = Transformer(jax.random.key(0))
+    if mark:
+        osdp_jax.units.mark(model)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
+
+    def loss_fn(p, b):
+        logits = jax.vmap(eqx.combine(p, static))(b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+    return params, loss_fn, {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+class ScanBlock(nn.Module):
+    """A pre-norm MLP block, ``(x, _) -> (x, None)`` as ``nn.scan`` runs it (Flax's own idiom)."""
+
+    d: int
+
+    @nn.compact
+    def __call__(self, x, _=None):
+        h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
+        return x + nn.Dense(self.d)(jax.nn.gelu(h)), None
+
+
+class LinenScanned(nn.Module):
+    """``depth`` :class:`ScanBlock`s stacked with Flax's own ``nn.scan`` (under ``nn.remat`` when
+    ``remat``), or, with ``stack``, the same blocks run by ``osdp_jax.layers.Stack``."""
+
+    d: int = 128
+    depth: int = 6
+    remat: bool = False
+    stack: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        if self.stack:
+            x = osdp_jax.layers.Stack(_StackedBlock(self.d), self.depth, remat="none", name="blocks")(x)
+        else:
+            block = nn.remat(ScanBlock) if self.remat else ScanBlock
+            x, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=self.depth)(self.d, name="blocks")(x, None)
+        return nn.Dense(1)(x)
+
+
+class _StackedBlock(nn.Module):
+    d: int
+
+    @nn.compact
+    def __call__(self, x):
+        return ScanBlock(self.d, name="block")(x)[0]
+
+
+def linen_scanned(d=128, depth=6, batch=32, remat=False, stack=False):
+    """``(params, loss_fn, batch)`` of :class:`LinenScanned`, a regression on random data."""
+    model, data = LinenScanned(d, depth, remat, stack), _regression_data(batch, d)
+    data["y"] = data["y"][:, :1]
+    params = model.init(jax.random.key(0), data["x"])["params"]
+
+    def loss_fn(p, b):
+        return ((model.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
+    return params, loss_fn, data
+
+
+class NnxScanBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class NnxScanned(nnx.Module):
+    """``depth`` blocks made with ``nnx.vmap`` and run with ``nnx.scan`` (Flax's nnx idiom)."""
+
+    def __init__(self, d, depth, rngs):
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NnxScanBlock(d, rngs)
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(d, 1, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+        return self.head(run(x, self.blocks))
+
+
+def nnx_scanned(d=128, depth=6, batch=32):
+    """``(params, loss_fn, batch)`` of :class:`NnxScanned`."""
+    graphdef, params = nnx.split(NnxScanned(d, depth, nnx.Rngs(0)), nnx.Param)
+    data = _regression_data(batch, d)
+    data["y"] = data["y"][:, :1]
+
+    def loss_fn(p, b):
+        return ((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2).mean()
+    return params, loss_fn, data
+
+
+def lax_scanned(d=128, depth=6, batch=32, stack=False):
+    """``(params, loss_fn, batch)`` of a plain-JAX MLP whose stacked blocks run in ``jax.lax.scan``
+    (or, with ``stack``, in ``osdp_jax.layers.scan``)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"blocks": {"w_in": 0.05 * jax.random.normal(keys[0], (depth, d, 4 * d)),
+                         "w_out": 0.05 * jax.random.normal(keys[1], (depth, 4 * d, d))},
+              "head": 0.05 * jax.random.normal(keys[2], (d, 1))}
+    data = _regression_data(batch, d)
+    data["y"] = data["y"][:, :1]
+
+    def block(p, x):
+        return x + jax.nn.gelu(x @ p["w_in"]) @ p["w_out"]
+
+    def loss_fn(p, b):
+        if stack:
+            x = osdp_jax.layers.scan(block, p["blocks"], b["x"], remat="none")
+        else:
+            x = jax.lax.scan(lambda h, layer: (block(layer, h), None), b["x"], p["blocks"])[0]
+        return ((x @ p["head"] - b["y"]) ** 2).mean()
+    return params, loss_fn, data

@@ -334,146 +334,189 @@ def train(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan | None = None, progre
     checkpoint after the current step and raises ``Preempted``. ``point``: the resume point
     :func:`check_run_dir` already found for ``out`` (it is not checked again).
     """
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from osdp_jax.cli.checkpoint import Checkpoints, DamagedCheckpoint, fingerprint, import_params
-    from osdp_jax.cli.preemption import Preempted
-    cfg = s.cfg
+    from osdp_jax.cli.checkpoint import Checkpoints
     if point is None and write:
         point = check_run_dir(s, out, resume, resume_from)
     plan = plan or reusable_plan(s, point) or make_plan(s, verify="full")
     _same_on_every_process(plan)
-    b = plan.batch_size
-    abstract = s.abstract_params()
-    lead = jax.process_index() == 0  # with several processes, one writes the files
-    batch_of = _batches(s, plan, b)
-    start, meta = 0, None
-    step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
-    p_target, o_target = osdp_jax.abstract_state(abstract, plan, s.mesh, s.optimizer)
-    if point is not None:
-        # reshard on restore: the targets carry this run's mesh and plan; nothing is written before
-        reader = Checkpoints(out / "checkpoints", read_only=True)
+    run = _Run(s, out, plan, write=write, lead=jax.process_index() == 0, progress=progress)
+    start, resumed = run.restore_or_init(point, init_params)
+    if write and run.lead:
+        _write_run_files(s, out, plan, point, progress)
+    if point is not None and progress and run.lead:
+        print(f"resuming from {out / 'checkpoints' / str(point.step)} (step {start})", flush=True)
+    run.ckpt = Checkpoints(out / "checkpoints", keep=s.cfg.train.keep_checkpoints) if write else None
+    try:
+        xla = run.steps(start, on_step, preemption)
+        run.save(s.cfg.train.steps)
+        saved = run.ckpt.steps() if run.ckpt else []
+    finally:
+        if run.ckpt:
+            run.ckpt.close()
+    summary = run.summary(xla, start if resumed else None, saved)
+    if write and run.lead:
+        _write_json(out / "summary.json", summary)
+    return summary
+
+
+def _write_run_files(s: Setup, out: pathlib.Path, plan: osdp_jax.Plan, point: ResumePoint | None, progress) -> None:
+    """The run directory's plan and config, with the checkpoints after the resume point moved aside."""
+    out.mkdir(parents=True, exist_ok=True)
+    if point is not None and point.superseded:
+        aside = out / "superseded"
+        aside.mkdir(exist_ok=True)
+        for st in point.superseded:
+            (out / "checkpoints" / str(st)).rename(aside / f"{st}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if progress:
+            print(f"moved the checkpoints after step {point.step} ({list(point.superseded)}) to {aside}", flush=True)
+    _write_json(out / "plan.json", json.loads(plan.to_json()))
+    _write_json(out / "config.json", to_dict(s.cfg))
+
+
+class _Run:
+    """One training run's state: the sharded parameters and optimizer state, its checkpoints, and
+    the losses and step times measured."""
+
+    def __init__(self, s: Setup, out: pathlib.Path, plan: osdp_jax.Plan, *, write: bool, lead: bool, progress):
+        self.s, self.out, self.plan = s, out, plan
+        self.write, self.lead, self.progress = write, lead, progress  # with several processes, one writes
+        self.abstract = s.abstract_params()
+        self.step_fn = osdp_jax.make_train_step(s.loss_fn, s.optimizer, plan, s.mesh)
+        self.ckpt = None
+        self.params = self.opt_state = None
+        self.losses: list[float] = []
+        self.times: list[float] = []
+
+    def restore_or_init(self, point: ResumePoint | None, init_params) -> tuple[int, bool]:
+        """The state at ``point`` (resharded onto this run's mesh and plan; nothing is written
+        before), or a fresh one; returns the first step and whether it was restored."""
+        from osdp_jax.cli.checkpoint import Checkpoints, DamagedCheckpoint, fingerprint, import_params
+        s = self.s
+        if point is None:
+            host = (import_params(init_params, self.abstract) if init_params
+                    else models.init_params(s.module, s.seq_len, s.cfg.train.seed))
+            self.params = osdp_jax.shard(host, s.mesh, self.plan)
+            self.opt_state = osdp_jax.init_opt_state(s.optimizer, self.params, self.plan, s.mesh)
+            return 0, False
+        p_target, o_target = osdp_jax.abstract_state(self.abstract, self.plan, s.mesh, s.optimizer)
+        reader = Checkpoints(self.out / "checkpoints", read_only=True)
         try:
-            params, opt_state, meta = reader.restore(point.step, p_target, o_target, fingerprint(abstract))
+            self.params, self.opt_state, meta = reader.restore(point.step, p_target, o_target,
+                                                               fingerprint(self.abstract))
         except DamagedCheckpoint as e:
-            raise _damaged(e, out, fingerprint(abstract)) from None
+            raise _damaged(e, self.out, fingerprint(self.abstract)) from None
         finally:
             reader.close()
-        start = meta["step"]
-    else:
-        host = (import_params(init_params, abstract) if init_params
-                else models.init_params(s.module, s.seq_len, cfg.train.seed))
-        params = osdp_jax.shard(host, s.mesh, plan)
-        opt_state = osdp_jax.init_opt_state(s.optimizer, params, plan, s.mesh)
-    if write and lead:
-        out.mkdir(parents=True, exist_ok=True)
-        if point is not None and point.superseded:
-            aside = out / "superseded"
-            aside.mkdir(exist_ok=True)
-            for st in point.superseded:
-                (out / "checkpoints" / str(st)).rename(aside / f"{st}-{time.strftime('%Y%m%d-%H%M%S')}")
-            if progress:
-                print(f"moved the checkpoints after step {point.step} ({list(point.superseded)}) to {aside}",
-                      flush=True)
-        _write_json(out / "plan.json", json.loads(plan.to_json()))
-        _write_json(out / "config.json", to_dict(cfg))
-    if point is not None and progress and lead:
-        print(f"resuming from {out / 'checkpoints' / str(point.step)} (step {start})", flush=True)
-    ckpt = Checkpoints(out / "checkpoints", keep=cfg.train.keep_checkpoints) if write else None
-    try:
+        return meta["step"], True
+
+    def diverged(self, what: str) -> FloatingPointError:
+        last = self.ckpt.latest() if self.ckpt else None
+        kept = (f"the last good checkpoint, step {last}, is kept in {self.ckpt.directory}" if last is not None
+                else "no checkpoint was written")
+        return FloatingPointError(f"training diverged: {what}; {kept}. Lower optim.learning_rate or "
+                                  f"set optim.grad_clip, then --resume")
+
+    def save(self, step: int) -> None:
+        """A checkpoint at ``step`` (none without checkpoints, or when one is there already)."""
+        from osdp_jax.cli.checkpoint import fingerprint
+        if self.ckpt is None or step in self.ckpt.steps():
+            return
+        if not _params_finite(self.params):
+            raise self.diverged(f"parameters became non-finite by step {step} (not saved)")
+        cfg = self.s.cfg
+        self.ckpt.save(step, self.params, self.opt_state, {
+            "model": cfg.model.preset, "fingerprint": fingerprint(self.abstract),
+            "plan": json.loads(self.plan.to_json()), "config": to_dict(cfg),
+            "data": {"task": cfg.data.task, "seed": cfg.train.seed, "next_step": step},
+            "rng": {"seed": cfg.train.seed}})
+
+    def steps(self, start: int, on_step, preemption):
+        """Steps ``start`` to ``train.steps`` under one compiled executable; returns its XLA figures."""
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+        cfg = self.s.cfg
+        batch_of = _batches(self.s, self.plan, self.plan.batch_size)
         # compile once, read XLA's per-device figures, and train with that executable
-        compiled = step_fn.lower(params, opt_state, batch_of(0)).compile()
+        compiled = self.step_fn.lower(self.params, self.opt_state, batch_of(0)).compile()
         xla = osdp_jax.profile_compiled(compiled)
-
-        def diverged(what: str) -> FloatingPointError:
-            last = ckpt.latest() if ckpt else None
-            kept = (f"the last good checkpoint, step {last}, is kept in {ckpt.directory}" if last is not None
-                    else "no checkpoint was written")
-            return FloatingPointError(f"training diverged: {what}; {kept}. Lower optim.learning_rate or "
-                                      f"set optim.grad_clip, then --resume")
-
-        def save(step):
-            if ckpt is None or step in ckpt.steps():
-                return
-            if not _params_finite(params):
-                raise diverged(f"parameters became non-finite by step {step} (not saved)")
-            ckpt.save(step, params, opt_state, {
-                "model": cfg.model.preset, "fingerprint": fingerprint(abstract), "plan": json.loads(plan.to_json()),
-                "config": to_dict(cfg), "data": {"task": cfg.data.task, "seed": cfg.train.seed, "next_step": step},
-                "rng": {"seed": cfg.train.seed}})
-
-        # metrics of the steps before ``start`` (a killed run may have logged steps past its checkpoint)
-        old = _read_metrics(out / "metrics.jsonl", start) if write and lead and start else []
-        losses, times = [r["loss"] for r in old], []
-        metrics = None
-        if write and lead:
-            metrics = (out / "metrics.jsonl").open("w")
-            metrics.writelines(json.dumps(r) + "\n" for r in old)
-        bar = tqdm(range(start, cfg.train.steps), desc="train", disable=not (progress and lead), mininterval=0.5,
-                   initial=start, total=cfg.train.steps)
+        metrics = self._open_metrics(start)
+        bar = tqdm(range(start, cfg.train.steps), desc="train", disable=not (self.progress and self.lead),
+                   mininterval=0.5, initial=start, total=cfg.train.steps)
         if preemption is not None:
             preemption.deferred = True  # a signal from here on stops after the current step
         # log records (orbax's, the planner's) written above the bar while it runs, not into it
-        redirect = logging_redirect_tqdm()
-        redirect.__enter__()
-        try:
-            for step in bar:
-                batch = batch_of(step)
-                t0 = time.perf_counter()
-                params, opt_state, loss = compiled(params, opt_state, batch)
-                loss = float(loss)
-                dt = time.perf_counter() - t0
-                if not math.isfinite(loss):
-                    raise diverged(f"loss became {loss} at step {step}")
-                losses.append(loss)
-                times.append(dt)
+        with logging_redirect_tqdm():
+            try:
+                for step in bar:
+                    self._step(compiled, batch_of(step), step, metrics, bar)
+                    if on_step:
+                        on_step(step)
+                    self._stop_if_preempted(preemption, step, bar)
+            finally:
                 if metrics:
-                    metrics.write(json.dumps({"step": step, "loss": loss, "seconds": dt,
-                                              "samples_per_second": b / dt}) + "\n")
-                    metrics.flush()
-                every = cfg.train.checkpoint_every
-                if every and (step + 1) % every == 0:
-                    save(step + 1)
-                if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-                    bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{b / dt:.0f}")
-                if on_step:
-                    on_step(step)
-                signum = preemption.agreed() if preemption is not None else None
-                if signum and step + 1 < cfg.train.steps:
-                    save(step + 1)
-                    bar.close()
-                    raise Preempted(signum, step + 1 if ckpt else None)
-        finally:
-            redirect.__exit__(None, None, None)
-            if metrics:
-                metrics.close()
-        save(cfg.train.steps)
-        saved = ckpt.steps() if ckpt else []
-    finally:
-        if ckpt:
-            ckpt.close()
-    steady = times[1:] or times
-    summary = {
-        "model": cfg.model.preset, "task": cfg.data.task, "steps": len(losses),
-        "initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "samples_per_second": b / statistics.median(steady) if steady else None,
-        "xla_peak_bytes": xla.peak_bytes, "budget_bytes": plan.budget_bytes,
-        "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "predicted_samples_per_second": plan.predicted_samples_per_second,
-        "batch_size": b, "strategies": plan.counts(), "splits": plan.splits_by_path,
-        "devices": plan.num_devices, "resumed_from_step": start if meta else None,
-        "checkpoints": saved,
-    }
-    summary["processes"] = jax.process_count()
-    if cfg.data.task == "addition":
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            params = multihost_utils.process_allgather(params, tiled=True)
-        summary["accuracy"] = addition_accuracy(s, params)
-    if write and lead:
-        _write_json(out / "summary.json", summary)
-    return summary
+                    metrics.close()
+        return xla
+
+    def _open_metrics(self, start: int):
+        """``metrics.jsonl``, holding the records of the steps before ``start`` (a killed run may
+        have logged steps past its checkpoint); None where this process writes no files."""
+        old = _read_metrics(self.out / "metrics.jsonl", start) if self.write and self.lead and start else []
+        self.losses = [r["loss"] for r in old]
+        if not (self.write and self.lead):
+            return None
+        metrics = (self.out / "metrics.jsonl").open("w")
+        metrics.writelines(json.dumps(r) + "\n" for r in old)
+        return metrics
+
+    def _step(self, compiled, batch, step: int, metrics, bar) -> None:
+        cfg, b = self.s.cfg, self.plan.batch_size
+        t0 = time.perf_counter()
+        self.params, self.opt_state, loss = compiled(self.params, self.opt_state, batch)
+        loss = float(loss)
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss):
+            raise self.diverged(f"loss became {loss} at step {step}")
+        self.losses.append(loss)
+        self.times.append(dt)
+        if metrics:
+            metrics.write(json.dumps({"step": step, "loss": loss, "seconds": dt, "samples_per_second": b / dt}) + "\n")
+            metrics.flush()
+        every = cfg.train.checkpoint_every
+        if every and (step + 1) % every == 0:
+            self.save(step + 1)
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{b / dt:.0f}")
+
+    def _stop_if_preempted(self, preemption, step: int, bar) -> None:
+        from osdp_jax.cli.preemption import Preempted
+        signum = preemption.agreed() if preemption is not None else None
+        if signum and step + 1 < self.s.cfg.train.steps:
+            self.save(step + 1)
+            bar.close()
+            raise Preempted(signum, step + 1 if self.ckpt else None)
+
+    def summary(self, xla, resumed_from: int | None, saved: list) -> dict:
+        """The run's summary: losses, median samples/s after the first step, XLA's and the plan's figures."""
+        cfg, plan, losses = self.s.cfg, self.plan, self.losses
+        steady = self.times[1:] or self.times
+        summary = {
+            "model": cfg.model.preset, "task": cfg.data.task, "steps": len(losses),
+            "initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+            "samples_per_second": plan.batch_size / statistics.median(steady) if steady else None,
+            "xla_peak_bytes": xla.peak_bytes, "budget_bytes": plan.budget_bytes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_samples_per_second": plan.predicted_samples_per_second,
+            "batch_size": plan.batch_size, "strategies": plan.counts(), "splits": plan.splits_by_path,
+            "devices": plan.num_devices, "resumed_from_step": resumed_from, "checkpoints": saved,
+            "processes": jax.process_count(),
+        }
+        if cfg.data.task == "addition":
+            params = self.params
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+                params = multihost_utils.process_allgather(params, tiled=True)
+            summary["accuracy"] = addition_accuracy(self.s, params)
+        return summary
 
 
 def methods(s: Setup) -> list[tuple]:

@@ -65,7 +65,8 @@ class ParamLayout:
       spec: its storage ``PartitionSpec``.
       strategy: ``"replicate"``, ``"zero3"``, ``"hsdp"`` or ``"zero2"`` (stored whole, optimizer
         state sharded).
-      in_loop: gathered one layer at a time inside ``osdp_jax.layers.scan``.
+      in_loop: gathered one layer at a time inside ``osdp_jax.layers.scan``, or, with
+        ``model_loop``, inside the model's own ``jax.lax.scan`` (Flax ``nn.scan``, ``nnx.scan``).
       split: operator splitting: slices its dense layer gathers one at a time.
       two_stage: gathered one mesh axis at a time, inside a node first (2-D meshes).
 
@@ -89,6 +90,8 @@ class ParamLayout:
     accumulate: str = ""  # with microbatches, where its gradient is summed: "shard" or "whole" (a zero3/hsdp
     #                       weight then gathered once per step, kept); "": its strategy's default
     #                       (osdp_jax.core.strategies.accumulation)
+    model_loop: bool = False  # an in_loop parameter sliced per iteration by the model's own jax.lax.scan
+    #                           (Flax nn.scan, nnx.scan), which gathers one layer's slice per iteration
 
     @property
     def kept(self) -> bool:
@@ -194,7 +197,7 @@ class Layout:
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
                    dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
                    units=None, unit_remat: str = "full", zero2=(), gather_dtype: str | None = None,
-                   accumulate=None) -> "Layout":
+                   accumulate=None, model_loop=()) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -213,7 +216,11 @@ class Layout:
         parameter's dtype. ``accumulate``: path -> ``"shard"`` or ``"whole"``, where the gradient
         is summed across microbatches (``make_train_step(microbatches=)``; ``osdp_jax.strategies``):
         a sharded parameter's default is ``"shard"`` (reduce-scattered in each); ``"whole"`` sums
-        it whole and reduces it once, keeping a zero3/hsdp weight gathered across them."""
+        it whole and reduces it once, keeping a zero3/hsdp weight gathered across them.
+        ``model_loop``: layer-stacked paths the model slices per iteration with a
+        ``jax.lax.scan`` of its own (Flax ``nn.scan``, ``nnx.scan``; ``osdp_jax.planning.model_loops``
+        finds them); they are ``in_loop`` too, run as one segment, unsplit, under the model's own
+        remat, each layer's slice gathered inside the loop (``runtime.model_loops``)."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -222,10 +229,12 @@ class Layout:
         unknown = sorted(set(specs) - {i.path for i in infos})
         if unknown:
             raise KeyError(f"layout names parameters the params do not have: {unknown[:3]}")
-        splits, segments, in_loop = dict(splits or {}), dict(segments or {}), set(in_loop) | set(segments or {})
+        model_loop = set(model_loop)
+        splits, segments = dict(splits or {}), dict(segments or {})
+        in_loop = set(in_loop) | set(segments) | model_loop
         units, accumulate, zero2 = dict(units or {}), dict(accumulate or {}), set(zero2)
         for what, named in (("segments name", segments), ("units name", units), ("accumulate names", accumulate),
-                            ("zero2 names", zero2)):
+                            ("zero2 names", zero2), ("model_loop names", model_loop)):
             unknown = sorted(set(named) - {i.path for i in infos})
             if unknown:
                 raise KeyError(f"{what} parameters the params do not have: {unknown[:3]}")
@@ -253,6 +262,9 @@ class Layout:
             for seg in segs:
                 if seg.strategy == "zero2":
                     state_spec_for((seg.layers, *i.shape[1:]), "zero2", seg.spec, axes, axes_size(mesh, axes), True)
+            if i.path in model_loop and (len(segs) > 1 or k > 1):
+                raise ValueError(f"parameter {i.path!r} is model_loop (sliced by the model's own scan): it runs as "
+                                 f"one segment, unsplit; give it no segments or split")
             if i.path in in_loop:
                 if len(i.shape) < 2:
                     raise ValueError(f"parameter {i.path!r} {i.shape} cannot be gathered per layer: a stacked "
@@ -265,7 +277,7 @@ class Layout:
                 _check_accumulate(i.path, strategy, acc, i.path in in_loop, i.path in units, k)
             params_.append(ParamLayout(i.path, spec, strategy, i.path in in_loop, k, staged,
                                        i.path in set(dense), segs, units.get(i.path, ""),
-                                       gather_dtype if sharded else "", acc))
+                                       gather_dtype if sharded else "", acc, i.path in model_loop))
         return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat))
 
     @classmethod
@@ -276,20 +288,20 @@ class Layout:
 
     @classmethod
     def fsdp(cls, params, mesh, *, axis=None, in_loop=(), dense=(), remat: str = "full", units=None,
-             unit_remat: str = "full", gather_dtype: str | None = None) -> "Layout":
+             unit_remat: str = "full", gather_dtype: str | None = None, model_loop=()) -> "Layout":
         """Every parameter ZeRO-3 sharded over all data-parallel devices, along its first
         dimension they divide (after the layer axis for ``in_loop`` ones); the others replicated.
         ``units`` (path -> unit) and ``unit_remat`` as in :meth:`from_specs`
-        (``osdp_jax.units.find`` finds the units)."""
+        (``osdp_jax.units.find`` finds the units); ``model_loop`` as in :meth:`from_specs`."""
         axes = data_axes(mesh, axis)
         n = axes_size(mesh, axes)
-        in_loop = set(in_loop)
+        in_loop = set(in_loop) | set(model_loop)
         specs = {}
         for i in describe(params):
             spec = spec_for(i, "zero3", axes, n, i.path in in_loop, n)
             specs[i.path] = spec if spec is not None else P()
         return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat,
-                              units=units, unit_remat=unit_remat, gather_dtype=gather_dtype)
+                              units=units, unit_remat=unit_remat, gather_dtype=gather_dtype, model_loop=model_loop)
 
 
 def _check_accumulate(path: str, strategy: str, accumulate: str, in_loop: bool, unit: bool, split: int) -> None:

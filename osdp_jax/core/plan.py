@@ -13,10 +13,10 @@ from osdp_jax.core.layout import Layout, ParamLayout, one_segment
 from osdp_jax.core.stack import Segment
 from osdp_jax.core.strategies import GATHERED, sharded_dim
 
-# 6 adds "accumulate", 5 the zero2 strategy and gather_dtype, 4 units ("unit", "unit_remat"), 3 layer
-# segments, 2 dense kernels; 1-5 are still read
-PLAN_FORMAT = 6
-READABLE_FORMATS = (1, 2, 3, 4, 5, 6)
+# 7 adds "model_loop", 6 "accumulate", 5 the zero2 strategy and gather_dtype, 4 units ("unit",
+# "unit_remat"), 3 layer segments, 2 dense kernels; 1-6 are still read
+PLAN_FORMAT = 7
+READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -71,6 +71,8 @@ class ParamPlan:
         segments, the first segment's (:meth:`layer_segments` gives each).
       spec: its storage ``PartitionSpec``.
       in_loop: a layer stack's parameter, gathered one layer at a time.
+      model_loop: an ``in_loop`` parameter sliced per iteration by the model's own
+        ``jax.lax.scan`` (Flax ``nn.scan``, ``nnx.scan``), not by ``osdp_jax.layers.scan``.
       split: operator splitting: the slices its dense layer gathers one at a time (1: whole).
       two_stage: gathered one mesh axis at a time, inside a node first (2-D meshes).
       dense, unit, segments, gather_dtype, accumulate: where it is gathered, its unit, its layer
@@ -93,6 +95,7 @@ class ParamPlan:
     gather_dtype: str = ""  # a sharded parameter gathered in this dtype (plan(compute_dtype=)); "": its own
     accumulate: str = ""  # with microbatches: its gradient summed "whole" (a zero3/hsdp weight gathered once
     #                       per step and kept) or in its "shard"; "": the strategy's default
+    model_loop: bool = False  # in_loop, sliced per iteration by the model's own jax.lax.scan
 
     def layer_segments(self) -> tuple[Segment, ...]:
         """The segments of a stacked (``in_loop``) parameter: its own, or one over all its layers."""
@@ -175,7 +178,7 @@ class Plan:
         """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
         return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
                                         pp.dense, pp.layer_segments(), pp.unit, pp.gather_dtype,
-                                        pp.accumulate)
+                                        pp.accumulate, pp.model_loop)
                             for pp in self.params),
                       tuple(self.axes), unit_remat=self.unit_remat)
 
@@ -282,8 +285,8 @@ class Plan:
                if self.microbatches > 1 and self.batch_size else ""),
             f"per-device peak: predicted {format_bytes(self.predicted_peak_bytes)}, "
             f"XLA {format_bytes(self.xla_peak_bytes) if self.xla_peak_bytes is not None else 'not compiled'}, "
-            f"budget {format_bytes(self.budget_bytes)} (XLA's figure of osdp_jax.make_train_step's step; a "
-            "jax.jit step of your own over the placed arrays gathers where XLA chooses and may exceed it)",
+            f"budget {format_bytes(self.budget_bytes)} (XLA's figure of the step osdp_jax.make_train_step builds; "
+            "a step of your own holds it with osdp_jax.value_and_grad, osdp_jax.check_budget checks it)",
             f"predicted: {self.predicted_step_seconds * 1e3:.2f} ms/step ("
             f"{(self.predicted_collective_seconds or 0.0) * 1e3:.2f} ms collectives), {sps:.1f} samples/s"
             if sps is not None else "predicted throughput: - (no loss_fn/batch given)",
@@ -305,7 +308,7 @@ class Plan:
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
                         "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
                         "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments], "unit": pp.unit,
-                        "gather_dtype": pp.gather_dtype, "accumulate": pp.accumulate}
+                        "gather_dtype": pp.gather_dtype, "accumulate": pp.accumulate, "model_loop": pp.model_loop}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -318,7 +321,7 @@ class Plan:
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
                                  p.get("split", 1), p.get("two_stage", False), p.get("dense", False),
                                  tuple(Segment.from_json(x) for x in p.get("segments", ())), p.get("unit", ""),
-                                 p.get("gather_dtype", ""), p.get("accumulate", ""))
+                                 p.get("gather_dtype", ""), p.get("accumulate", ""), p.get("model_loop", False))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

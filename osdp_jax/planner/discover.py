@@ -39,6 +39,7 @@ class Found(NamedTuple):
     units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
     saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
     fingerprint: str = ""  # the loss's (:func:`fingerprint`)
+    model_loop: frozenset = frozenset()  # paths of stacked parameters a jax.lax.scan of the model's own slices
 
 
 log = logging.getLogger("osdp_jax")
@@ -130,16 +131,19 @@ def _find(loss_fn, params, batch) -> Found:
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
     found = (sorted(ctx.recorded_loop), sorted(ctx.recorded_split), stacks, tuple(ctx.recorded_units),
              sorted(ctx.recorded_saved.items(), key=repr))
-    looped = looped_params(closed.jaxpr, list(flat_params(params))) - set(ctx.recorded_loop)
+    scanned = scanned_params(closed.jaxpr, list(flat_params(params))) - set(ctx.recorded_loop)
+    shapes = {path: np.shape(x) for path, x in flat_params(params).items()}
+    model_loop = frozenset(p for p in scanned if len(shapes[p]) >= 2)
+    looped = looped_params(closed.jaxpr, list(flat_params(params))) - set(ctx.recorded_loop) - model_loop
     if looped:
         names = sorted(looped)
         log.warning(
-            "osdp_jax: %d parameter(s) are sliced per iteration by a loop of the model's own (jax.lax.scan, "
-            "Flax nn.scan or nnx.scan, or params[i] in a loop), e.g. %s: osdp-jax plans them as ordinary "
-            "parameters, so a sharded one is gathered whole once per step, before the loop, every slice at "
-            "once. If they are a stack of layers, run it with osdp_jax.layers.Stack (linen), "
-            "osdp_jax.layers.NnxStack (nnx) or osdp_jax.layers.scan to gather one layer at a time and plan "
-            "per layer", len(names), ", ".join(names[:3]))
+            "osdp_jax: %d parameter(s) are sliced per iteration by a loop of the model's own that is not a "
+            "jax.lax.scan over them (params[i] in a loop, or a scan over a cast or reshaped copy), e.g. %s: "
+            "osdp-jax plans them as ordinary parameters, so a sharded one is gathered whole once per step, "
+            "before the loop, every slice at once. Pass the stacked parameters unchanged to jax.lax.scan "
+            "(Flax nn.scan, nnx.scan), or run them with osdp_jax.layers.scan, to gather one layer at a time "
+            "and plan per layer", len(names), ", ".join(names[:3]))
     units = {name for _, name, _ in ctx.recorded_units}
     hidden = sorted(set(ctx.recorded_hidden) - units)
     hidden = [h for h in hidden if not any(h.startswith(o + "/") for o in hidden)]  # the outermost
@@ -152,11 +156,41 @@ def _find(loss_fn, params, batch) -> Found:
             "\"full\" by default, as nn.remat): drop the transform around them to let the planner make them units",
             len(hidden), ", ".join(hidden[:3]))
     return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved),
-                 fingerprint(closed, jax.tree.structure(out), *found))
+                 fingerprint(closed, jax.tree.structure(out), *found, sorted(model_loop)), model_loop)
 
 
 _PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims", "transpose"}
 _LOOPS = {"scan", "while"}
+
+
+def scanned_params(jaxpr, paths) -> set[str]:
+    """Paths of the parameters (the first ``len(paths)`` inputs of ``jaxpr``) passed unchanged as a
+    ``scan``'s per-iteration operand (``xs``), at the top level or inside ``jit`` and ``remat``
+    equations that take them in order: what ``runtime.model_loops`` runs per iteration."""
+    found: set[str] = set()
+
+    def walk(j, alias: dict):
+        for eqn in j.eqns:
+            ins = [alias.get(v) if not isinstance(v, jcore.Literal) else None for v in eqn.invars]
+            if eqn.primitive.name == "scan":
+                found.update(p for p in ins[sum(scan_operand_counts(eqn.params)):] if p is not None)
+                continue
+            for key in ("jaxpr", "call_jaxpr"):
+                sub = eqn.params.get(key)
+                inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                if isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(eqn.invars):
+                    walk(inner, {b: p for b, p in zip(inner.invars, ins) if p is not None})
+
+    walk(jaxpr, {v: p for v, p in zip(jaxpr.invars, paths)})
+    return found
+
+
+def model_loops(loss_fn, params, batch) -> set[str]:
+    """Paths of the stacked parameters ``loss_fn`` slices per iteration with a ``jax.lax.scan`` of
+    its own (Flax ``nn.scan``, ``nnx.scan``), passed to it unchanged: the ``model_loop`` parameters
+    of a layout (``Layout.from_specs(model_loop=)``), gathered one layer at a time inside the
+    model's loop. Traced abstractly (``params`` and ``batch`` may be abstract)."""
+    return set(find(loss_fn, params, batch).model_loop)
 
 
 def looped_params(jaxpr, paths) -> set[str]:

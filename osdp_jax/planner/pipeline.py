@@ -436,171 +436,222 @@ def _plan_problem(problem: Problem, *, plan_options: PlanOptions, params, mesh, 
                   batches, policies, calibrator, start, microbatches: int = 1, floor: float | None = None) -> Plan:
     """calibrate -> cost -> search -> verify -> build, for one problem, with each global batch
     size run as ``microbatches`` microbatches (probed and costed at the microbatch's size)."""
-    strategies, axes = problem.strategies, problem.axes
-    if microbatches > 1:  # global sizes m microbatches divide; the probes run one microbatch
-        n = axes_size(mesh, axes)
-        batches = {b: x for b, x in batches.items() if b % (n * microbatches) == 0}
-        probe_batches = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // microbatches, *x.shape[1:]), x.dtype), x)
-                         for b, x in batches.items()}
-    else:
-        probe_batches = batches
+    batches, probe_batches = _microbatch_batches(batches, microbatches, axes_size(mesh, problem.axes))
     calibrated = (calibrate(problem, calibrator, probe_batches, hw, plan_options.measure_time, _progress, policies)
                   if plan_options.loss_fn is not None else uncalibrated(batches))
     # where each gradient is summed, searched too
     problem = problem.with_accumulation() if microbatches > 1 else problem
-    t0 = time.perf_counter()
-    opt_bytes, other_opt = optimizer_bytes(optimizer, abstract)
+    planning = _ProblemPlanning(problem, calibrated, plan_options=plan_options, params=params, mesh=mesh, hw=hw,
+                                budget=budget, optimizer=optimizer, abstract=abstract, batches=batches,
+                                probe_batches=probe_batches, policies=policies, calibrator=calibrator, start=start,
+                                microbatches=microbatches)
+    return planning.run(floor)
 
-    def tables_for(overlap: float, unit_scale: float = 1.0, sizes=None) -> dict:
+
+def _microbatch_batches(batches: dict, microbatches: int, n: int) -> tuple[dict, dict]:
+    """The global batches ``microbatches`` microbatches of ``n`` devices divide, and each one's
+    microbatch (what the probes compile)."""
+    if microbatches == 1:
+        return batches, batches
+    batches = {b: x for b, x in batches.items() if b % (n * microbatches) == 0}
+    probe_batches = {b: jax.tree.map(lambda x: jax.ShapeDtypeStruct((b // microbatches, *x.shape[1:]), x.dtype), x)
+                     for b, x in batches.items()}
+    return batches, probe_batches
+
+
+class _ProblemPlanning:
+    """One problem's cost tables, search, verification against XLA and refit, with what they share:
+    the Pareto fronts searched, the compiled candidate and its peak, the verification's errors."""
+
+    def __init__(self, problem: Problem, calibrated, *, plan_options: PlanOptions, params, mesh, hw, budget,
+                 optimizer, abstract, batches, probe_batches, policies, calibrator, start, microbatches: int):
+        self.problem, self.calibrated, self.plan_options = problem, calibrated, plan_options
+        self.params, self.mesh, self.hw, self.budget = params, mesh, hw, budget
+        self.optimizer, self.abstract, self.batches, self.probe_batches = optimizer, abstract, batches, probe_batches
+        self.policies, self.calibrator, self.start, self.microbatches = policies, calibrator, start, microbatches
+        self.t0 = time.perf_counter()
+        self.opt_bytes, self.other_opt = optimizer_bytes(optimizer, abstract)
+        key = _overlap_key(calibrator, problem, probe_batches)
+        self.overlap_key = key if key is None or microbatches == 1 else (key, microbatches)
+        fitted = OVERLAPS.get(self.overlap_key) if self.overlap_key is not None else None
+        self.prior = fitted is None and not problem.stacks and NO_LOOP_OVERLAP is not None  # (NO_LOOP_OVERLAP)
+        self.fitted = NO_LOOP_OVERLAP if self.prior else fitted
+        self.scale = UNIT_SCALES.get(self.overlap_key, 1.0) if self.overlap_key is not None else 1.0
+        self.fronts: dict = {}  # the searches' Pareto fronts, for the re-plans under lowered budgets
+        self.verified = _Compiles()
+        self.compiled: dict = {}  # the candidate of the last plan built with its XLA peak
+        self.errors: list = []
+        self.verifying = plan_options.loss_fn is not None and plan_options.verify
+        self.peak_of = self.verified(self._peak_function()) if self.verifying else None
+        self.share, self.carried, self.seconds = MARGIN, 0.0, 0.0
+
+    def run(self, floor: float | None) -> Plan:
+        """The fastest plan found under the budget, verified (and refitted) where ``plan_options`` says."""
+        self.tables = self.tables_for(self.fitted or 0.0, self.scale)
+        best, known = self._first_search()
+        if not self.verifying:
+            return self.build(best)
+        plan = self._verify(self.tables, best, known, self.fitted or 0.0, floor=floor)
+        if self.overlap_key is not None and self.errors:
+            MARGINS[self.overlap_key] = max(self.share, *self.errors)
+        return self._refit(plan)
+
+    def tables_for(self, overlap: float, unit_scale: float = 1.0, sizes=None) -> dict:
         """Cost tables per batch size (``sizes``: only those) with the pool overlap and unit scale."""
-        out = {}
-        for b in batches if sizes is None else sizes:
-            t = cost_tables(list(problem.infos), problem.available, problem.columns, opt_bytes, other_opt,
-                            problem.topo, hw, _batch_bytes(batches[b]), calibrated.calibrations[b], problem.in_loop,
-                            frozenset(problem.units), overlap, problem.gather_ratio(),
-                            frozenset(p for p, u in problem.units.items() if u == problem.last_unit),
-                            problem.saving_bytes(), unit_scale)
-            if microbatches > 1:  # the whole global batch is an argument; the probe held one microbatch of it
-                t = dataclasses.replace(_accumulated(t, microbatches, problem), base_mem=t.base_mem + (
-                    _batch_bytes(batches[b]) - _batch_bytes(probe_batches[b])) / axes_size(mesh, axes))
-            remat = calibrated.remat.get(b)
-            if remat and microbatches > 1:
-                remat = {policy: (temp, seconds * microbatches) for policy, (temp, seconds) in remat.items()}
-            out[b] = expand(problem, t, remat, policies, plan_options.per_layer)
-        return out
+        return {b: self._tables(b, overlap, unit_scale) for b in (self.batches if sizes is None else sizes)}
 
-    overlap_key = _overlap_key(calibrator, problem, probe_batches)
-    overlap_key = overlap_key if overlap_key is None or microbatches == 1 else (overlap_key, microbatches)
-    fitted = OVERLAPS.get(overlap_key) if overlap_key is not None else None
-    prior = fitted is None and not problem.stacks and NO_LOOP_OVERLAP is not None  # (NO_LOOP_OVERLAP)
-    fitted = NO_LOOP_OVERLAP if prior else fitted
-    scale = UNIT_SCALES.get(overlap_key, 1.0) if overlap_key is not None else 1.0
-    tables = tables_for(fitted or 0.0, scale)
-    fronts: dict = {}  # the searches' Pareto fronts, for the re-plans under lowered budgets
-    # the largest share XLA needed over the model on an earlier compiled plan of this model (kept
-    # in MARGINS, as the pool overlap is kept), MARGIN at least: the plan leaves it free (a re-plan
-    # at another budget, a sweep, meets the same error), unless that costs over MARGIN_COST of the
-    # predicted samples/s; then the search's choice is verified first
-    share = max(MARGINS.get(overlap_key, 0.0) if overlap_key is not None else 0.0, MARGIN)
-    carried = budget * share / (1 + share)  # bytes; 0 once a refit changes the model (run reads it late)
-    # searched under the lowered limit first: when that plan is within MARGIN_COST of what the LP
-    # bound allows at the full budget, the margin costs less than that and the search at the full
-    # budget is not run (near the budget it is the longer one: 1.6 s of a 6 s re-plan of
-    # gpt2-48l-1536, the plans within MARGIN_COST of its optimum being many)
-    safe = _search(tables, budget - carried, fronts)[0] if carried > 0 else None
-    if safe is not None and safe[5] and safe[0] >= (1 - MARGIN_COST) * _bound(tables, budget):
-        best, min_needed = safe, 0.0
-    else:
-        best, min_needed = _search(tables, budget, fronts)
-    seconds = time.perf_counter() - t0
-    # compiled layouts with their XLA peaks (a probe of one microbatch is not the accumulated step)
-    known = _known(problem, calibrated.probes, tables) if microbatches == 1 else []
-    verifying = plan_options.loss_fn is not None and plan_options.verify
-    if best is None and not (verifying and any(peak <= budget for _, peak in known)):
-        # never above a layout XLA was shown to fit, when plan() at that budget would verify and take it
-        least = min([min_needed, *(peak for _, peak in known if verifying)])
-        raise InfeasibleBudgetError(_infeasible_message(budget, least, strategies, axes), math.ceil(least))
+    def _tables(self, size, overlap: float, unit_scale: float):
+        problem, microbatches = self.problem, self.microbatches
+        t = cost_tables(list(problem.infos), problem.available, problem.columns, self.opt_bytes, self.other_opt,
+                        problem.topo, self.hw, _batch_bytes(self.batches[size]),
+                        self.calibrated.calibrations[size], problem.in_loop, frozenset(problem.units), overlap,
+                        problem.gather_ratio(),
+                        frozenset(p for p, u in problem.units.items() if u == problem.last_unit),
+                        problem.saving_bytes(), unit_scale)
+        if microbatches > 1:  # the whole global batch is an argument; the probe held one microbatch of it
+            extra = _batch_bytes(self.batches[size]) - _batch_bytes(self.probe_batches[size])
+            t = dataclasses.replace(_accumulated(t, microbatches, problem),
+                                    base_mem=t.base_mem + extra / axes_size(self.mesh, problem.axes))
+        remat = self.calibrated.remat.get(size)
+        if remat and microbatches > 1:
+            remat = {policy: (temp, seconds * microbatches) for policy, (temp, seconds) in remat.items()}
+        return expand(problem, t, remat, self.policies, self.plan_options.per_layer)
 
-    verified = _Compiles()
-    compiled: dict = {}  # the candidate of the last plan built with its XLA peak
+    def _first_search(self):
+        """The search's best candidate and the probes' compiled layouts with their XLA peaks.
 
-    def build(candidate, xla_peak=None, overlap=fitted or 0.0, unit_scale=scale):
+        The largest share XLA needed over the model on an earlier compiled plan of this model (kept
+        in MARGINS, as the pool overlap is kept), MARGIN at least, is left free (a re-plan at
+        another budget, a sweep, meets the same error), unless that costs over MARGIN_COST of the
+        predicted samples/s; then the search's choice is verified first. Searched under the lowered
+        limit first: when that plan is within MARGIN_COST of what the LP bound allows at the full
+        budget, the search at the full budget is not run."""
+        tables, budget = self.tables, self.budget
+        self.share = max(MARGINS.get(self.overlap_key, 0.0) if self.overlap_key is not None else 0.0, MARGIN)
+        self.carried = budget * self.share / (1 + self.share)  # bytes; 0 once a refit changes the model
+        safe = _search(tables, budget - self.carried, self.fronts)[0] if self.carried > 0 else None
+        if safe is not None and safe[5] and safe[0] >= (1 - MARGIN_COST) * _bound(tables, budget):
+            best, min_needed = safe, 0.0
+        else:
+            best, min_needed = _search(tables, budget, self.fronts)
+        self.seconds = time.perf_counter() - self.t0
+        # compiled layouts with their XLA peaks (a probe of one microbatch is not the accumulated step)
+        known = self._known(tables)
+        if best is None and not (self.verifying and any(peak <= budget for _, peak in known)):
+            # never above a layout XLA was shown to fit, when plan() at that budget would verify and take it
+            least = min([min_needed, *(peak for _, peak in known if self.verifying)])
+            raise InfeasibleBudgetError(_infeasible_message(budget, least, self.problem.strategies,
+                                                            self.problem.axes), math.ceil(least))
+        if self.carried > 0 and best is not None and best[0] > 0:
+            ready = [c for c, peak in known if peak <= budget]  # compiled layouts (probes') that fit by XLA
+            safe = max([c for c in (*ready, safe) if c is not None], key=lambda c: c[0], default=None)
+            best = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * best[0] else best
+        return best, known
+
+    def _known(self, tables) -> list:
+        return _known(self.problem, self.calibrated.probes, tables) if self.microbatches == 1 else []
+
+    def build(self, candidate, xla_peak=None, overlap: float | None = None, unit_scale: float | None = None) -> Plan:
+        """The plan of a search ``candidate``; with ``xla_peak``, kept as the compiled candidate."""
         if xla_peak is not None:
-            compiled["candidate"], compiled["peak"] = candidate, xla_peak
-        counts = (getattr(calibrator, "compiles", 0) + verified.count,
-                  getattr(calibrator, "seconds", 0.0) + verified.seconds)
-        return dataclasses.replace(_build(problem, candidate, budget, hw, seconds, unboxed_treedef(params), xla_peak,
-                                          (time.perf_counter() - start, *counts), overlap, unit_scale),
-                                   microbatches=microbatches)
+            self.compiled["candidate"], self.compiled["peak"] = candidate, xla_peak
+        counts = (getattr(self.calibrator, "compiles", 0) + self.verified.count,
+                  getattr(self.calibrator, "seconds", 0.0) + self.verified.seconds)
+        plan = _build(self.problem, candidate, self.budget, self.hw, self.seconds, unboxed_treedef(self.params),
+                      xla_peak, (time.perf_counter() - self.start, *counts),
+                      (self.fitted or 0.0) if overlap is None else overlap,
+                      self.scale if unit_scale is None else unit_scale)
+        return dataclasses.replace(plan, microbatches=self.microbatches)
 
-    errors: list = []
-    if carried > 0 and best is not None and best[0] > 0:
-        ready = [c for c, peak in known if peak <= budget]  # compiled layouts (probes') that fit by XLA
-        take = [c for c in (*ready, safe) if c is not None]
-        safe = max(take, key=lambda c: c[0], default=None)
-        best = safe if safe is not None and safe[0] >= (1 - MARGIN_COST) * best[0] else best
-    if not verifying:
-        return build(best)
-    # by default compiled as the probes are (runtime.step.PROBE_ONLY_CPU: on XLA:CPU within 1 KiB
-    # of temp of the default compile), not the optimised executable, which make_train_step compiles
-    figures_only = "probe" if plan_options.verify != "full" else False
-    if figures_only:
-        peak_of = verified(lambda p: profile_step(plan_options.loss_fn, optimizer, abstract, batches[p.batch_size],
-                                                  mesh, p, figures_only=figures_only).peak_bytes)
-    else:
+    def _peak_function(self):
+        """A plan's XLA peak bytes: by default compiled as the probes are (``runtime.step.PROBE_ONLY_CPU``:
+        on XLA:CPU within 1 KiB of temp of the default compile), not the optimised executable, which
+        make_train_step compiles; with ``verify="full"`` the optimised one, checked as a probe first
+        near the budget (a plan over it is not compiled in full)."""
+        loss_fn, optimizer, abstract, batches, mesh = (self.plan_options.loss_fn, self.optimizer, self.abstract,
+                                                       self.batches, self.mesh)
+        if self.plan_options.verify != "full":
+            return lambda p: profile_step(loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p,
+                                          figures_only="probe").peak_bytes
+
         def peak_of_plan(p):
-            args = (plan_options.loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
-            if p.predicted_peak_bytes <= CHECK_ABOVE * budget:  # a miss would be a model error over 10%
+            args = (loss_fn, optimizer, abstract, batches[p.batch_size], mesh, p)
+            if p.predicted_peak_bytes <= CHECK_ABOVE * self.budget:  # a miss would be a model error over 10%
                 return profile_step(*args).peak_bytes
-            # near the budget, checked as a probe first: a plan over it is not compiled in full
-            return profile_checked(*args, lambda f: f.peak_bytes <= budget + PROBE_TOLERANCE).peak_bytes
+            return profile_checked(*args, lambda f: f.peak_bytes <= self.budget + PROBE_TOLERANCE).peak_bytes
 
-        peak_of = verified(peak_of_plan)
+        return peak_of_plan
 
-    def run(tables, first, known, overlap, unit_scale=scale, floor=None):
-        return verify(first, budget, lambda limit, lessons: _search(tables, limit, fronts, lessons)[0],
+    def _verify(self, tables, first, known, overlap, unit_scale=None, floor=None) -> Plan:
+        """``first`` verified against XLA (``planner.verify.verify``), searching ``tables`` again on a miss."""
+        return verify(first, self.budget, lambda limit, lessons: _search(tables, limit, self.fronts, lessons)[0],
                       lambda: _least_memory(tables),
-                      functools.partial(build, overlap=overlap, unit_scale=unit_scale), peak_of, known, floor,
-                      carried, errors)
+                      functools.partial(self.build, overlap=overlap,
+                                        unit_scale=self.scale if unit_scale is None else unit_scale),
+                      self.peak_of, known, floor, self.carried, self.errors)
 
-    def replan(tables, overlap, unit_scale=scale):
+    def _replan(self, tables, overlap, unit_scale=None) -> Plan:
         """The compiled candidate costed on ``tables`` (refitted) with its XLA peak, or the search's
         plan on them if it differs and is faster (verified)."""
-        _, size, sol, _, _, _ = compiled["candidate"]
-        xla = compiled["peak"]
-        first = (_costed(size, sol.choices, tables[size]), xla, overlap, unit_scale)
-        second = _search(tables, budget, fronts)[0]
+        unit_scale = self.scale if unit_scale is None else unit_scale
+        _, size, sol, _, _, _ = self.compiled["candidate"]
+        first = (_costed(size, sol.choices, tables[size]), self.compiled["peak"], overlap, unit_scale)
+        second = _search(tables, self.budget, self.fronts)[0]
         if second is None or np.array_equal(second[2].choices, first[0][2].choices) and second[1] == first[0][1]:
-            return build(*first)
-        other = run(tables, second, _known(problem, calibrated.probes, tables) if microbatches == 1 else [], overlap,
-                    unit_scale)
-        return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else build(*first)
+            return self.build(*first)
+        other = self._verify(tables, second, self._known(tables), overlap, unit_scale)
+        return other if (other.predicted_samples_per_second or 0.0) > (first[0][5] or 0.0) else self.build(*first)
 
-    plan = run(tables, best, known, fitted or 0.0, floor=floor)
-    if overlap_key is not None and errors:
-        MARGINS[overlap_key] = max(share, *errors)
-    _, size, sol, _, _, _ = compiled["candidate"]
-    # judged by the model alone: a verification's lessons (charges on the layers a miss changed)
-    # are in the plan's prediction, and would hide an error every plan shares
-    modelled = _costed(size, sol.choices, tables[size])
-    off = abs(_predicted(modelled) - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
-    if fitted is not None and not off and not prior:
-        return plan  # fitted on an earlier plan of this model, and it holds for this one
-    # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
-    plain = _costed(size, sol.choices, tables_for(0.0, scale, [size])[size]) if fitted else modelled
-    overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
-    if prior and not off:  # NO_LOOP_OVERLAP held: what this compile shows is kept for the next plans
-        if overlap is not None and overlap_key is not None:
-            OVERLAPS[overlap_key] = overlap
-        return plan
-    if overlap is not None and overlap != fitted:
-        if overlap_key is not None:
-            OVERLAPS[overlap_key] = overlap
-            MARGINS.pop(overlap_key, None)  # the misses were the old overlap's
-        carried = 0.0
-        # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
-        # `overlap` of the smaller pool beside the larger: search again with that, and keep the
-        # faster of the two plans (both fit by XLA), each predicted with the fitted overlap
-        log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
-                 overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
-        return replan(tables_for(overlap, scale), overlap)
-    if not off or not plan.units:
-        return plan
-    # the plan's units saved less (or more) together than the sum of what each is charged to save
-    # (their savings do not add): scale them to the compile
-    ours = fitted or 0.0
-    without = _predicted(_costed(size, sol.choices, tables_for(ours, 0.0, [size])[size]))
-    saved = without - _predicted(_costed(size, sol.choices, tables_for(ours, 1.0, [size])[size]))  # at scale 1
-    if saved < 0.02 * plan.xla_peak_bytes:
-        return plan
-    new = float(np.clip((without - plan.xla_peak_bytes) / saved, 0.0, 2.0))
-    if overlap_key is not None:
-        UNIT_SCALES[overlap_key] = new
-        MARGINS.pop(overlap_key, None)
-    carried = 0.0
-    log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
-             new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
-    return replan(tables_for(ours, new), ours, new)
+    def _refit(self, plan: Plan) -> Plan:
+        """``plan``, or, when the cost model missed its XLA peak by over REFIT, the plan of the
+        model refitted on that compile: the pool overlap first, else the units' saving scale."""
+        _, size, sol, _, _, _ = self.compiled["candidate"]
+        # judged by the model alone: a verification's lessons (charges on the layers a miss changed)
+        # are in the plan's prediction, and would hide an error every plan shares
+        modelled = _costed(size, sol.choices, self.tables[size])
+        off = abs(_predicted(modelled) - plan.xla_peak_bytes) > REFIT * plan.xla_peak_bytes
+        fitted, key = self.fitted, self.overlap_key
+        if fitted is not None and not off and not self.prior:
+            return plan  # fitted on an earlier plan of this model, and it holds for this one
+        # the candidate costed with omega = 0 (as it was, unless an overlap was fitted before)
+        plain = _costed(size, sol.choices, self.tables_for(0.0, self.scale, [size])[size]) if fitted else modelled
+        overlap = _refit_overlap(plain, plan.xla_peak_bytes, again=fitted is not None)
+        if self.prior and not off:  # NO_LOOP_OVERLAP held: what this compile shows is kept for the next plans
+            if overlap is not None and key is not None:
+                OVERLAPS[key] = overlap
+            return plan
+        if overlap is not None and overlap != fitted:
+            if key is not None:
+                OVERLAPS[key] = overlap
+                MARGINS.pop(key, None)  # the misses were the old overlap's
+            self.carried = 0.0
+            # the compiled plan mixes replicated gradients and weights gathered per step, and XLA kept
+            # `overlap` of the smaller pool beside the larger: search again with that, and keep the
+            # faster of the two plans (both fit by XLA), each predicted with the fitted overlap
+            log.info("pool overlap fitted on the compiled plan: %.2f (XLA peak %s, predicted %s); re-planning",
+                     overlap, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+            return self._replan(self.tables_for(overlap, self.scale), overlap)
+        if not off or not plan.units:
+            return plan
+        return self._rescale_units(plan)
+
+    def _rescale_units(self, plan: Plan) -> Plan:
+        """The plan's units saved less (or more) together than the sum of what each is charged to
+        save (their savings do not add): scale them to the compile and plan again."""
+        _, size, sol, _, _, _ = self.compiled["candidate"]
+        ours = self.fitted or 0.0
+        without = _predicted(_costed(size, sol.choices, self.tables_for(ours, 0.0, [size])[size]))
+        saved = without - _predicted(_costed(size, sol.choices, self.tables_for(ours, 1.0, [size])[size]))
+        if saved < 0.02 * plan.xla_peak_bytes:
+            return plan
+        new = float(np.clip((without - plan.xla_peak_bytes) / saved, 0.0, 2.0))
+        if self.overlap_key is not None:
+            UNIT_SCALES[self.overlap_key] = new
+            MARGINS.pop(self.overlap_key, None)
+        self.carried = 0.0
+        log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
+                 new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
+        return self._replan(self.tables_for(ours, new), ours, new)
 
 
 def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:
@@ -871,7 +922,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                              split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
                              unit=problem.units.get(i.path, "") if strategy in GATHERED and split == 1 else "",
                              gather_dtype=problem.compute_dtype if strategy in GATHERED else "",
-                             accumulate=accumulate[0] if accumulate else ""))
+                             accumulate=accumulate[0] if accumulate else "", model_loop=i.path in problem.model_loop))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,

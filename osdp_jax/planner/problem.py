@@ -40,7 +40,7 @@ class Problem:
     strategies: tuple[str, ...]  # allowed by the user
     columns: tuple[tuple, ...]  # (strategy, k) per column; (strategy, 1, accumulate) with microbatches
     options: tuple[tuple[P | None, ...], ...]  # [parameter][column] storage spec, None: unavailable
-    in_loop: frozenset[str] = frozenset()  # layer-stacked, gathered per layer (osdp_jax.layers.scan)
+    in_loop: frozenset[str] = frozenset()  # layer-stacked, gathered per layer (osdp_jax.layers.scan, model_loop)
     dense: frozenset[str] = frozenset()  # kernels of dense layers outside layer loops (gathered at the layer)
     split_ks: dict = dataclasses.field(default_factory=dict)  # (path, strategy) -> [k > 1 it can take]
     stacks: tuple[tuple[str, ...], ...] = ()  # per layers.scan call, its stacked parameters' paths
@@ -50,6 +50,7 @@ class Problem:
     last_unit: str = ""  # the unit the forward pass calls last (its backward pass runs first)
     unit_saved: dict = dataclasses.field(default_factory=dict)  # unit -> activation bytes its calls save
     fingerprint: str = ""  # the loss's, as traced at the smallest batch size (``_discover.fingerprint``)
+    model_loop: frozenset[str] = frozenset()  # in_loop, sliced per iteration by the model's own scan
 
     def gather_ratio(self) -> np.ndarray:
         """Per parameter, bytes gathered per byte stored: itemsize(compute_dtype) / its itemsize
@@ -170,12 +171,13 @@ class Problem:
             if strategy == "replicate" and zero2_where(i) and self.spec_of(i, "zero2") is not None:
                 strategy = "zero2"
             k = splits.get(i.path, 1) if strategy == "zero3" else 1
-            segs = _probe_segments(i.shape[0], remat_layers(i.shape[0]), spec, strategy, k, remat) \
+            looped = i.path in self.model_loop  # the model's own scan: one segment, its own remat
+            segs = _probe_segments(i.shape[0], 0 if looped else remat_layers(i.shape[0]), spec, strategy, k, remat) \
                 if i.path in self.in_loop else ()
             unit = self.units.get(i.path, "") if strategy == "zero3" and k == 1 else ""
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
                                       i.path in self.dense, segs, unit,
-                                      self.compute_dtype if strategy == "zero3" else ""))
+                                      self.compute_dtype if strategy == "zero3" else "", model_loop=looped))
         return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)
 
 
@@ -223,7 +225,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     """
     infos = tuple(describe(params))
     check_trainable(infos)
-    in_loop, dense, splittable, stacks = frozenset(), frozenset(), frozenset(), ()
+    in_loop, dense, splittable, stacks, model_loop = frozenset(), frozenset(), frozenset(), (), frozenset()
     unit_of, last_unit, saved, fingerprint = {}, "", {}, ""
     if loss_fn is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -232,9 +234,14 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         loop_found, dense_found, found_stacks = found.in_loop, found.dense, found.stacks
         in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
         stacks = _stacks(found_stacks, in_loop)
-        splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop))
-        dense = frozenset(p for p in dense_found if p in shapes and p not in loop_found)
-        unit_of = from_found(found, infos, units)
+        model_loop = frozenset(found.model_loop) - in_loop
+        in_loop = in_loop | model_loop
+        splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop)) - model_loop
+        dense = frozenset(p for p in dense_found if p in shapes and p not in in_loop)
+        unit_of = {p: u for p, u in from_found(found, infos, units).items() if p not in model_loop}
+        if model_loop:
+            log.info("stacked parameters run by the model's own scans, gathered per iteration: %d (e.g. %s)",
+                     len(model_loop), sorted(model_loop)[0])
         chosen = set(unit_of.values())
         last_unit = next((name for _, name, _ in reversed(found.units) if name in chosen), "")
         saved = {u: found.saved.get(u) for u in chosen}
@@ -247,7 +254,8 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     columns = tuple([(s, 1) for s in names] + [(s, k) for s in sharded for k in splits if k > 1])
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
                       in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),
-                      last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint)
+                      last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint,
+                      model_loop=model_loop)
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     if 1 not in splits:  # a kernel that must split is gathered slice by slice, never whole with a unit
         must_split = {path for (path, _), counts in ks.items() if counts}

@@ -1,25 +1,12 @@
-"""The sharded training step: explicit data parallelism under ``jax.shard_map``.
+"""The sharded training and eval steps, and compiling a step without allocating.
 
-Every device runs ``loss_fn`` on its slice of the global batch. Per parameter, by its layout:
+The train step takes the gradients of ``runtime.gradient`` (per device, under ``jax.shard_map``)
+and runs the optimizer on the global arrays, outside the shard_map; a zero2 parameter's update is
+applied on its shard, and the updated shards are all-gathered into the whole parameter when the
+step lays its output out.
 
-- replicated: the local gradient is averaged with one all-reduce (``pmean``);
-- zero3/hsdp: the stored shard is all-gathered (``runtime.collectives.gather``) before ``loss_fn``
-  runs, at its dense layer, or one layer at a time inside the model's loop, and the gradient of
-  the gathered weight is reduce-scattered back to a shard;
-- zero2: used whole, as replicated; its gradient is reduce-scattered (``psum_scatter``) to the
-  shard its optimizer state is kept on, and the updated shards are all-gathered into the whole
-  parameter when the step lays its output out.
-
-With microbatches, each gradient is summed across them where its layout's ``accumulate`` says
-(:func:`grad_body`).
-
-The optimizer then runs on the global arrays (outside the shard_map). Flax linen metadata boxes
-are stripped before ``loss_fn`` sees the parameters. The loss is the mean of the per-device
-losses, so ``loss_fn`` must return the *mean* loss over the batch it is given; the gradient is then
-exactly that of the global mean loss.
-
-This module also compiles a step without allocating (:func:`compile_step`); placing parameters,
-optimizer state and batches is ``runtime.place``.
+Compiling without allocating is :func:`compile_step`; placing parameters, optimizer state and
+batches is ``runtime.place``.
 """
 from __future__ import annotations
 
@@ -28,418 +15,68 @@ import concurrent.futures
 import dataclasses
 import math
 import time
-from typing import NamedTuple
 
 import jax
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from osdp_jax.core.bytes import format_bytes, parse_bytes
 from osdp_jax.core.compat import supported_compile_options
-from osdp_jax.core.describe import check_trainable, describe, path_name, strip_boxes
+from osdp_jax.core.describe import path_name
 from osdp_jax.core.layout import (
-    Layout,
     as_layout,
     batch_specs,
-    collective,
-    one_segment,
     opt_state_specs,
     spec_tree,
     state_spec_tree,
 )
-from osdp_jax.core.stack import Segmented, is_segmented
-from osdp_jax.core.strategies import accumulation, axes_size, axis_entry, sharded_dim
+from osdp_jax.core.strategies import axes_size, axis_entry
 from osdp_jax.core.xla import StepProfile, loop_flops, profile_compiled
-from osdp_jax.runtime.collectives import device_index, gather
-from osdp_jax.runtime.context import SplitEntry, StepContext, active
-from osdp_jax.runtime.hooks import wrap_tree
-from osdp_jax.runtime.interception import intercepting
-from osdp_jax.runtime.place import abstract_args, as_auto, check_matches, check_mesh
-from osdp_jax.runtime.stack import SegmentRun, StackView
-
-
-def check_batch_leaves(batch) -> int:
-    """The global batch size: every leaf of ``batch`` has it as its leading dimension. A scalar
-    leaf, or leaves of different leading sizes, is a ``ValueError`` naming them."""
-    leaves = [(path_name(path) or "<root>", tuple(getattr(leaf, "shape", np.shape(leaf))))
-              for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]]
-    if not leaves:
-        raise ValueError("the batch has no array leaves")
-    for name, shape in leaves:
-        if not shape:
-            raise ValueError(
-                f"batch leaf {name!r} is a scalar: every batch leaf is split over the devices along its "
-                f"leading (global batch) dimension; give loss_fn a per-step constant another way (a "
-                f"closure), or repeat it once per example")
-    sizes = {shape[0] for _, shape in leaves}
-    if len(sizes) > 1:
-        shown = ", ".join(f"{name!r} {shape[0]}" for name, shape in leaves[:6])
-        raise ValueError(f"batch leaves must share one leading (global batch) dimension, got {shown}")
-    return sizes.pop()
-
-
-def check_batch(batch, n: int):
-    """Every batch leaf needs a leading dimension the data-parallel size divides."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = getattr(leaf, "shape", ())
-        if not shape or shape[0] % n:
-            raise ValueError(
-                f"batch leaf {path_name(path) or '<root>'!r} has shape {tuple(shape)}: its leading "
-                f"(global batch) dimension must be divisible by the {n} data-parallel devices; "
-                f"use a batch size that is a multiple of {n}")
-
-
-def _reduce_out(x, axes, how: str):
-    """One device's auxiliary output combined across the data-parallel devices: floating leaves
-    averaged (``pmean``), integer and bool leaves summed (``psum``: counts); or, with ``"gather"``,
-    concatenated along the leading axis (a 0-d leaf becomes one entry per device)."""
-    x = jax.numpy.asarray(x)
-    if how == "gather":
-        return x[None] if x.ndim == 0 else x
-    if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact):
-        return jax.lax.pmean(x, axes)
-    return jax.lax.psum(x, axes)
-
-
-def _reduce_state(x, axes):
-    """One device's new mutable state combined across the data-parallel devices: floating leaves
-    averaged (``pmean``: BatchNorm statistics); the others (integer counters, PRNG keys: nnx's
-    rng state) start replicated and change alike on every device, so each device's is kept."""
-    x = jax.numpy.asarray(x)
-    return jax.lax.pmean(x, axes) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x
-
-
-def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = True):
-    """``f(params, *args) -> loss_fn(model params, *args)``, per device: the parameters as the model
-    sees them inside the step.
-
-    Layer-stacked parameters (``gathering.stacks``, path -> ``SegmentRun``s) reach the model as
-    ``StackView``s, which ``osdp_jax.layers.scan`` runs segment by segment, gathering one layer at a
-    time; ``gathering.split_specs`` (path -> ``SplitEntry``) are the kernels their dense layers
-    gather, whole (k = 1) or one slice at a time (``osdp_jax.split``); every other sharded
-    parameter is gathered here, before the loss, as ``gathering.how`` (path -> Collective) says.
-    """
-    how, stacks, split_specs = gathering.how, gathering.stacks, gathering.split_specs
-
-    def gather_here(path, w, s):
-        name = path_name(path)
-        if name in stacks:
-            parts = w.parts if isinstance(w, Segmented) else (w,)
-            return StackView(name, gathering.shapes[name], parts[0].dtype, parts, stacks[name])
-        if sharded_dim(s) is None or name in split_specs:
-            return w
-        return gather(w, sharded_dim(s), how[name])
-
-    def run(p, *args, **kwargs):
-        used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs, is_leaf=is_segmented))
-        ctx = StepContext(split_specs, per_step=gathering.per_step, units=gathering.units,
-                          unit_remat=gathering.unit_remat)
-        for path, x in jax.tree_util.tree_flatten_with_path(used, is_leaf=lambda v: isinstance(v, StackView))[0]:
-            ctx.kernels[id(x)] = (x, path_name(path))  # layers.scan names the arrays it is given
-        with active(ctx), intercepting(lookups):
-            return loss_fn(wrap_tree(ctx, used), *args, **kwargs)
-
-    return run
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """What the user's ``loss_fn`` takes and returns (see :func:`make_train_step`)."""
-
-    has_aux: bool = False  # loss_fn returns (loss, aux)
-    aux: str = "mean"  # how aux leaves are combined across devices: "mean" or "gather"
-    rng: bool = False  # loss_fn takes rng=, a key folded with the device index
-    state: bool = False  # loss_fn takes state= (mutable collections) and returns the new state too
-    embed_lookup: bool = True  # Flax Embed through runtime.kernels.lookup (False: Flax's own, to measure)
-    microbatches: int = 1  # each device's batch slice runs as this many microbatches, gradients summed
-
-    def __post_init__(self):
-        if self.aux not in ("mean", "gather"):
-            raise ValueError(f"aux must be 'mean' (average floats, sum integers) or 'gather' "
-                             f"(concatenate along the leading axis), got {self.aux!r}")
-        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ValueError(f"microbatches must be a positive integer (1: no accumulation), got {self.microbatches!r}")
-        if self.microbatches > 1 and self.state:
-            raise ValueError("microbatches > 1 with state=True (mutable collections) is not supported: the "
-                             "statistics of one microbatch would replace another's; use microbatches=1")
-
-    def call(self, f, params, batch, state, rng):
-        """``(loss, aux, new_state)`` of one call of ``f`` (a ``model_view`` of loss_fn)."""
-        kwargs = {}
-        if self.rng:
-            kwargs["rng"] = rng
-        if self.state:
-            kwargs["state"] = state
-        out = f(params, batch, **kwargs)
-        loss, aux, new_state = out, None, None
-        if self.state:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError("with state=True, loss_fn must return (loss, new_state), or "
-                                "(loss, (aux, new_state)) with has_aux=True")
-            loss, rest = out
-            aux, new_state = rest if self.has_aux else (None, rest)
-        elif self.has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError("with has_aux=True, loss_fn must return (loss, aux)")
-            loss, aux = out
-        if not (hasattr(loss, "shape") and loss.shape == ()):
-            raise TypeError(
-                f"loss_fn must return a scalar loss, got {getattr(loss, 'shape', type(loss).__name__)}; "
-                f"if it returns (loss, aux), pass has_aux=True; if it takes and returns mutable "
-                f"collections, state=True to make_train_step (state=the collections to osdp_jax.plan)")
-        return loss, aux, new_state
-
-
-def _scatter(g, state: P, axes):
-    """A whole local gradient reduce-scattered (summed) to the shard its state ``state`` keeps."""
-    return jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=sharded_dim(state), tiled=True)
-
-
-def _reduce_grad(g, spec: P, state: P, axes, n: int):
-    """One parameter's local gradient, averaged over the devices: an all-reduce for a replicated
-    one, a reduce-scatter to its state's shard for zero2; a zero3/hsdp one arrives already
-    reduce-scattered (by :func:`gather`'s backward pass), summed."""
-    if sharded_dim(spec) is not None:
-        return g / n
-    if sharded_dim(state) is None:
-        return jax.lax.pmean(g, axes)
-    return _scatter(g, state, axes) / n
-
-
-def _shard_shape(shape, spec: P, n: int) -> tuple:
-    """The local shape of a ``shape`` array split as ``spec`` over ``n`` devices (inside shard_map)."""
-    d = sharded_dim(spec)
-    return tuple(x // n if i == d else x for i, x in enumerate(shape))
-
-
-def grad_body(loss_fn, param_specs, axes, n: int, gathering: "_Gathering", options: StepOptions = StepOptions(),
-              state_specs=None):
-    """The per-device body: gather, loss and gradient, gradient collectives.
-
-    Returns ``(loss, aux, grads, new_state)``: the loss averaged over the devices, the aux combined
-    as ``options.aux`` says, the gradients as :func:`_reduce_grad` leaves them (laid out as
-    ``state_specs``, the storage specs except for zero2 parameters), and the
-    new mutable state averaged over the devices. The optimizer is not applied here: it runs on
-    the global arrays (see :func:`build_step`).
-    """
-    view = model_view(loss_fn, param_specs, gathering, options.embed_lookup)
-    m = options.microbatches
-    kept, whole = gathering.kept, gathering.zero2_whole
-    state_specs = param_specs if state_specs is None else state_specs
-
-    def scattered(p, s, t) -> bool:  # a zero2 gradient summed in its shard (a stack's: whole, below)
-        return sharded_dim(s) is None and sharded_dim(t) is not None and p not in whole
-
-    def by_path(f, *trees):
-        return jax.tree_util.tree_map_with_path(lambda path, *x: f(path_name(path), *x), *trees,
-                                                is_leaf=lambda x: isinstance(x, P))
-
-    def value_and_grad(params, batch, state, rng, view=view):
-        def loss_of(p):
-            loss, aux, new_state = options.call(view, p, batch, state, rng)
-            return loss, (aux, new_state)
-        return jax.value_and_grad(loss_of, has_aux=True)(params)
-
-    def accumulated(params, batch, rng):
-        """m microbatches in a loop, each gradient summed where its layout says
-        (``osdp_jax.core.strategies.accumulation``): a zero3/hsdp weight is gathered in every microbatch
-        and its gradient reduce-scattered there into a shard-sized accumulator, unless it is kept
-        (gathered once, before the loop; its gradient summed whole and reduce-scattered once, after
-        it); a zero2 gradient is reduce-scattered in every microbatch too, unless summed whole; a
-        replicated gradient (and a zero2 one summed whole) is summed whole and reduced once, after
-        the loop."""
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        if rows % m:
-            raise ValueError(f"each device's batch slice has {rows} examples, not divisible into {m} "
-                             f"microbatches: use a global batch size divisible by devices x microbatches")
-        split = jax.tree.map(lambda x: x.reshape(m, rows // m, *x.shape[1:]), batch)
-        specs = {path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-            param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
-        shards = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if path_name(p) in kept}
-        gathered, pullback = jax.vjp(
-            lambda xs: {p: gather(x, sharded_dim(specs[p]), gathering.how[p]) for p, x in xs.items()}, shards)
-        inner = by_path(lambda p, x: gathered[p] if p in kept else x, params)
-        inner_view = model_view(loss_fn, by_path(lambda p, s: P() if p in kept else s, param_specs),
-                                gathering.inside_microbatches(), options.embed_lookup)
-        def scatter(p, g, s, t):  # a zero2 gradient summed in its shard: reduce-scattered in this microbatch
-            return _scatter(g, t, axes) if scattered(p, s, t) else g
-
-        def one(total, xs):
-            i, b = xs
-            # tie the other shards to the microbatch, so that XLA cannot hoist their gathers out of
-            # the loop (XLA:CPU does: the gathered weights then stay alive through it)
-            here = by_path(lambda p, x, s: jax.numpy.where(i >= 0, x, jax.numpy.zeros_like(x))
-                           if sharded_dim(s) is not None and p not in kept else x, inner, param_specs)
-            (loss, (aux, _)), g = value_and_grad(here, b, None, None if rng is None else jax.random.fold_in(rng, i),
-                                                 inner_view)
-            g = by_path(scatter, g, param_specs, state_specs)
-            return jax.tree.map(jax.numpy.add, total, (loss.astype(jax.numpy.float32), g)), aux
-
-        zeros = (jax.numpy.zeros((), jax.numpy.float32),
-                 by_path(lambda p, x, s, t: jax.numpy.zeros(_shard_shape(x.shape, t, n) if scattered(p, s, t)
-                                                            else x.shape, x.dtype), inner, param_specs, state_specs))
-        (loss, grads), auxs = jax.lax.scan(one, zeros, (jax.numpy.arange(m), split))
-        aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) if options.aux == "gather" else
-                           (a.mean(0) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else a.sum(0)), auxs)
-        if kept:  # the kept weights' whole gradients through their gather's backward: one reduce-scatter
-            (back,) = pullback({path_name(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]
-                                if path_name(p) in kept})
-            grads = by_path(lambda p, g: back[p] if p in kept else g, grads)
-        return (loss / m, (aux, None)), jax.tree.map(lambda g: g / m, grads)
-
-    def body(params, batch, state, rng):
-        if options.rng:
-            rng = jax.random.fold_in(rng, device_index(axes))
-        if m > 1:
-            (loss, (aux, new_state)), grads = accumulated(params, batch, rng)
-        else:
-            (loss, (aux, new_state)), grads = value_and_grad(params, batch, state, rng)
-        # a gradient reduce-scattered in the loop (summed sharded) arrives as a shard, as a zero3 one does
-        done = by_path(lambda p, s, t: t if m > 1 and scattered(p, s, t) else s, param_specs, state_specs)
-        grads = jax.tree.map(lambda g, s, t: _reduce_grad(g, s, t, axes, n), grads, done, state_specs)
-        aux = jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), aux)
-        new_state = jax.tree.map(lambda x: _reduce_state(x, axes), new_state)
-        return jax.lax.pmean(loss, axes), aux, grads, new_state
-
-    return body
-
-
-def _lay_out(x, sharding: NamedSharding):
-    """Constrain ``x`` to ``sharding``: ``reshard`` on Explicit meshes, a constraint on Auto ones."""
-    if jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types):
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _lay_out_tree(tree, specs, mesh):
-    """:func:`_lay_out` of each leaf of ``tree`` to its ``PartitionSpec`` in ``specs`` on ``mesh``."""
-    return jax.tree.map(lambda x, s: _lay_out(x, NamedSharding(mesh, s)), tree, specs)
-
-
-class _Gathering(NamedTuple):
-    """Where each sharded parameter of a layout is gathered inside the step."""
-
-    how: dict  # path -> Collective (None: replicated)
-    stacks: dict  # path -> SegmentRuns: layer-stacked, run by osdp_jax.layers.scan
-    shapes: dict  # path -> whole shape of each stacked parameter
-    split_specs: dict  # path -> SplitEntry: gathered by its dense layer, whole (k = 1) or in k slices
-    per_step: frozenset  # sharded parameters gathered whole before the loss
-    units: dict  # path -> the unit (runtime.units) it is gathered at, on entry and in the backward pass
-    unit_remat: str  # the remat policy units run under
-    kept: frozenset = frozenset()  # sharded, gathered once per step and kept across microbatches
-    zero2_whole: frozenset = frozenset()  # zero2 gradients summed whole across microbatches (the others
-    #                                       are reduce-scattered in every microbatch)
-
-    def inside_microbatches(self) -> "_Gathering":
-        """The gathering of the microbatch loop's body: the kept weights arrive gathered."""
-        kept = self.kept
-        return self._replace(how={p: (None if p in kept else c) for p, c in self.how.items()},
-                             split_specs={p: e for p, e in self.split_specs.items() if p not in kept},
-                             per_step=self.per_step - kept, units={p: u for p,
-                                                                   u in self.units.items() if p not in kept})
-
-
-def _check_splits(layout: Layout) -> None:
-    """Only sharded kernels can be split: a ``ValueError`` naming the first that is not."""
-    how = layout.collectives()
-    for pl in layout.params:
-        for seg in pl.segments or ():
-            if seg.split > 1 and collective(seg.spec, layout.axes) is None:
-                raise ValueError(f"parameter {pl.path!r} is split in layers {seg.start}-{seg.stop - 1} but "
-                                 f"not sharded there: only sharded (zero3 or hsdp) kernels can be split")
-        if not pl.in_loop and pl.split > 1 and how[pl.path] is None:
-            raise ValueError(f"parameter {pl.path!r} is split but not sharded: only sharded (zero3 or hsdp) "
-                             f"kernels can be split")
-
-
-def _gathering(layout: Layout, mesh, params) -> _Gathering:
-    """Per-layer gathering for the ``in_loop`` (stacked) parameters, segment by segment; gathering
-    at the unit (``ParamLayout.unit``, ``runtime.units``); the dense
-    layer's gathering for split kernels and for per-step sharded kernels of dense layers
-    (``ParamLayout.dense``: gathered at the layer, from its input, since XLA:CPU's scheduler would
-    otherwise gather them at the start of the step and keep them alive through the layer loops);
-    and before the loss for the rest."""
-    how = layout.collectives()
-    infos = describe(params)
-    check_trainable(infos)
-    shapes = {i.path: i.shape for i in infos}
-    split_specs, stacks, units = {}, {}, {}
-    for pl in layout.params:
-        if pl.in_loop:
-            runs = []
-            segments = pl.segments or one_segment(shapes[pl.path][0], pl.spec, pl.strategy, pl.split,
-                                                  pl.two_stage, "full")
-            for seg in segments:
-                c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype)
-                runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
-                                       axes_size(mesh, c.axes) if c else 1, seg.remat))
-            stacks[pl.path] = tuple(runs)
-            continue
-        if how[pl.path] is not None and (pl.split > 1 or pl.dense or pl.unit):
-            split_specs[pl.path] = SplitEntry(sharded_dim(pl.spec), how[pl.path], pl.split,
-                                              axes_size(mesh, how[pl.path].axes))
-            if pl.unit and pl.split == 1:
-                units[pl.path] = pl.unit
-    per_step = frozenset(p for p, c in how.items() if c is not None and p not in stacks and p not in split_specs
-                         and not layout.stacks_per_step)
-    kept = frozenset(pl.path for pl in layout.params if pl.kept)
-    # a zero2 stack (or segment) sums its gradient whole: reduce-scattering every layer's in every
-    # microbatch costs m times the collectives, and zero3 is there for the memory
-    zero2_whole = frozenset(p for pl in layout.params for p in (
-        [f"{pl.path}/{j}" for j in range(len(pl.segments))] + [pl.path] if pl.in_loop else
-        [pl.path] if pl.strategy == "zero2" and accumulation("zero2", pl.accumulate) == "whole" else []))
-    return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step, units,
-                      layout.unit_remat, kept, zero2_whole)
+from osdp_jax.runtime.collectives import device_index
+from osdp_jax.runtime.gradient import (
+    StepOptions,
+    build_gradient,
+    check_batch,
+    check_batch_leaves,
+    extra_args,
+    gathering_of,
+    lay_out_tree,
+    model_view,
+    reduce_out,
+)
+from osdp_jax.runtime.place import abstract_args, as_auto
 
 
 def build_step(loss_fn, optimizer, mesh, layout, options: StepOptions = StepOptions()):
     """An un-jitted step ``(params, opt_state, batch[, state][, rng]) -> (params, opt_state, loss[, aux][, state])``
     for ``layout`` (a :class:`~osdp_jax.Layout` or a ``Plan``).
 
-    The gradients are computed per device under ``jax.shard_map`` (:func:`grad_body`); the
-    optimizer then runs on the global arrays, outside the shard_map, so a transformation that
-    reduces across parameters (``optax.clip_by_global_norm``, LAMB's trust ratio) sees whole
-    gradients, not one device's shards, and every replica of a replicated parameter and of its
-    optimizer state gets bit-identical values (XLA computes replicated elementwise updates the
-    same way on every device; the one cross-device sum, the norm, is an all-reduce).
+    The gradients are those of ``runtime.gradient.build_gradient`` (per device, under
+    ``jax.shard_map``); the optimizer then runs on the global arrays, outside the shard_map, so a
+    transformation that reduces across parameters (``optax.clip_by_global_norm``, LAMB's trust
+    ratio) sees whole gradients, not one device's shards, and every replica of a replicated
+    parameter and of its optimizer state gets bit-identical values (XLA computes replicated
+    elementwise updates the same way on every device; the one cross-device sum, the norm, is an
+    all-reduce).
     """
-    planned = layout
-    check_mesh(planned, mesh)
+    gradients = build_gradient(loss_fn, mesh, layout, options)
     layout = as_layout(layout)
-    axes = layout.axes
-    _check_splits(layout)
+    n = axes_size(mesh, layout.axes)
+    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)  # noqa: E731
 
     def step(params, opt_state, batch, *extra):
-        check_matches(planned, params)  # at trace time: a Plan's shapes, a Layout's paths
-        n = axes_size(mesh, axes)
-        check_batch(batch, n)
-        extra = list(extra)
-        state = extra.pop(0) if options.state else None
-        rng = extra.pop(0) if options.rng else None
-        if extra:
-            raise TypeError(f"the step takes (params, opt_state, batch{', state' if options.state else ''}"
-                            f"{', rng' if options.rng else ''}); got {len(extra)} more argument(s)")
+        state, rng = extra_args(extra, options, "params, opt_state")
+        loss, aux, grads, new_state = gradients(params, batch, state, rng)  # checks params and batch first
         p_specs = spec_tree(params, layout)
-        g = _gathering(layout, mesh, params)
         t_specs = state_spec_tree(params, layout, n)  # gradients and optimizer state
         o_specs = opt_state_specs(optimizer, opt_state, t_specs, params)
-        s_specs = jax.tree.map(lambda _: P(), state)
-        r_spec = None if rng is None else P()
-        in_specs = (p_specs, batch_specs(batch, axes), s_specs, r_spec)
-        # Explicit meshes need inputs already laid out as in_specs (a no-op when they are).
-        params, opt_state, batch, state = _lay_out_tree((params, opt_state, batch, state),
-                                                        (p_specs, o_specs, in_specs[1], s_specs), mesh)
-        body = grad_body(loss_fn, p_specs, axes, n, g, options, t_specs)
-        aux_spec = P(axis_entry(axes)) if options.aux == "gather" else P()
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                               out_specs=(P(), aux_spec, t_specs, P()), check_vma=False)
-        loss, aux, grads, new_state = mapped(params, batch, state, rng)
-        named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree)  # noqa: E731
+        # Explicit meshes need inputs already laid out as the specs (a no-op when they are)
+        params, opt_state = lay_out_tree((params, opt_state), (p_specs, o_specs), mesh)
         updates, opt_state = as_auto(optimizer.update, mesh, (named(t_specs), named(o_specs)))(grads, opt_state, params)
         # a zero2 parameter's update is applied on its shard, then gathered whole below
-        params = optax.apply_updates(_lay_out_tree(params, t_specs, mesh), updates)
-        params, opt_state = _lay_out_tree((params, opt_state), (p_specs, o_specs), mesh)
+        params = optax.apply_updates(lay_out_tree(params, t_specs, mesh), updates)
+        params, opt_state = lay_out_tree((params, opt_state), (p_specs, o_specs), mesh)
         out = (params, opt_state, loss)
         if options.has_aux:
             out += (aux,)
@@ -673,7 +310,7 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
         st = extra.pop(0) if state else None
         key = extra.pop(0) if rng else None
         p_specs = spec_tree(params, layout)
-        view = model_view(fn, p_specs, _gathering(layout, mesh, params))
+        view = model_view(fn, p_specs, gathering_of(layout, mesh, params))
 
         def body(p, b, s, r):
             kw = {}
@@ -681,13 +318,13 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
                 kw["state"] = s
             if rng:
                 kw["rng"] = jax.random.fold_in(r, device_index(axes))
-            return jax.tree.map(lambda x: _reduce_out(x, axes, options.aux), view(p, b, **kw))
+            return jax.tree.map(lambda x: reduce_out(x, axes, options.aux), view(p, b, **kw))
 
         out_spec = P(axis_entry(axes)) if aux == "gather" else P()
         in_specs = (p_specs, batch_specs(batch, axes), jax.tree.map(lambda _: P(), st),
                     None if key is None else P())
         # Explicit meshes need inputs already laid out as in_specs (a no-op when they are)
-        params, batch, st = _lay_out_tree((params, batch, st), in_specs[:3], mesh)
+        params, batch, st = lay_out_tree((params, batch, st), in_specs[:3], mesh)
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                              check_vma=False)(params, batch, st, key)
 
@@ -885,3 +522,59 @@ def profile_step(loss_fn, optimizer, params, batch, mesh, plan, *, figures_only:
     (:func:`compile_counted`)."""
     return profile_compiled(*compile_counted(loss_fn, optimizer, params, batch, mesh, plan,
                                              figures_only=figures_only, **options))
+
+
+class BudgetExceededError(ValueError):
+    """A compiled step's per-device peak is over its plan's budget (:func:`check_budget`).
+
+    Attributes:
+      peak_bytes: XLA's per-device peak of the step, in bytes.
+      budget_bytes: the plan's budget, in bytes.
+    """
+
+    def __init__(self, message: str, peak_bytes: int, budget_bytes: int):
+        super().__init__(message)
+        self.peak_bytes, self.budget_bytes = peak_bytes, budget_bytes
+
+
+def check_budget(step, plan, *args, budget=None):
+    """Compile a training step of your own on ``args`` and check XLA's per-device peak against
+    ``plan.budget_bytes``.
+
+    A plan is verified against the step :func:`osdp_jax.make_train_step` builds. A step of your own
+    holds the same budget when it takes its gradients from :func:`osdp_jax.value_and_grad` and
+    donates the parameters and optimizer state; one that calls ``jax.value_and_grad`` on the
+    placed arrays lets XLA gather the sharded weights where it chooses, and may not. This function
+    says which, by XLA's own figure, before a step runs.
+
+    Args:
+      step: a ``jax.jit``-wrapped function (anything with ``.lower(*args)``).
+      plan: the :class:`osdp_jax.Plan` the arrays were placed with.
+      *args: the step's arguments: arrays, or ``jax.ShapeDtypeStruct``s carrying their shardings
+        (``osdp_jax.abstract_state``), so that nothing is allocated.
+      budget: the per-device budget to check against, in bytes or as a string (``"4GiB"``);
+        default ``plan.budget_bytes``. Pass the device's whole budget when the plan was made for
+        less to leave room for what the step keeps besides (an EMA of the parameters).
+
+    Returns:
+      The compiled step: call it in place of ``step`` (it takes the same arguments), or read its
+      figures with :func:`osdp_jax.profile_compiled`.
+
+    Raises:
+      BudgetExceededError: XLA's peak is over the budget; the message names both and the fix.
+
+    Example:
+      >>> compiled = osdp_jax.check_budget(my_step, plan, params, opt_state, batch)  # doctest: +SKIP
+    """
+    compiled = step.lower(*args).compile()
+    budget = plan.budget_bytes if budget is None else parse_bytes(budget)
+    peak = profile_compiled(compiled).peak_bytes
+    if peak > budget:
+        raise BudgetExceededError(
+            f"the step's per-device peak is {format_bytes(peak)} by XLA's figure, over the budget of "
+            f"{format_bytes(budget)} ({peak / budget:.2f}x). Take its gradients from "
+            f"osdp_jax.value_and_grad(loss_fn, plan, mesh), which gathers the weights as the plan says, and "
+            f"donate the parameters and optimizer state (jax.jit(..., donate_argnums=(0, 1))). What else the "
+            f"step keeps alive (an EMA of the parameters, a second model) is not in the plan: plan with a "
+            f"budget smaller by its size, and check against the whole one (budget=)", peak, budget)
+    return compiled
