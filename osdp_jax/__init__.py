@@ -29,7 +29,7 @@ from osdp_jax.core.stack import Segment, Segmented
 from osdp_jax.core.xla import StepProfile, profile_compiled
 from osdp_jax.planner.budgets import plan_budgets
 from osdp_jax.planner.cache import enable_compilation_cache
-from osdp_jax.planner.discover import discover
+from osdp_jax.planner.discover import discover, model_loops
 from osdp_jax.planner.pipeline import plan
 from osdp_jax.planner.search import InfeasibleBudgetError
 from osdp_jax.runtime.gradient import value_and_grad
@@ -63,7 +63,7 @@ __all__ = [
     # layer-stack checkpoints
     "merge_segments", "cut_segments", "whole_target", "Segment", "Segmented",
     # layouts by hand, and what the planner sees
-    "Layout", "ParamLayout", "describe", "ParamInfo", "discover",
+    "Layout", "ParamLayout", "describe", "ParamInfo", "discover", "model_loops",
     # XLA's figures
     "compile_step", "profile_step", "profile_compiled", "StepProfile",
     # hardware and sizes

@@ -472,23 +472,25 @@ class _FlaxScanModel(nn.Module):
         return scanned(name="blocks")(nn.Dense(16)(x), None)[0].mean()
 
 
-def test_a_flax_nn_scan_stack_is_planned_whole_with_a_warning_naming_it(mesh, caplog):
-    """Flax's own nn.scan slices its stacked parameters inside a loop osdp-jax does not cut: they
-    are planned as ordinary parameters (gathered whole once per step when sharded), the plan
-    fits by XLA, and one warning names them and says how to plan them per layer. A stack run by
-    osdp_jax.layers.Stack draws no such warning."""
+def test_a_flax_nn_scan_stack_is_planned_per_layer_and_a_cast_one_whole_with_a_warning(mesh, caplog):
+    """Flax's own nn.scan of nn.remat blocks passes its stacked parameters to jax.lax.scan
+    unchanged: they are planned per layer (model_loop), with no warning, and the plan fits by
+    XLA. A stack cast before its scan cannot be: it is planned as ordinary parameters, and one
+    warning names it and says how to plan it per layer."""
     model, x = _FlaxScanModel(), jnp.ones((32, 16))
     params = model.init(jax.random.key(0), x)["params"]
     loss_fn = lambda p, b: model.apply({"params": p}, b)  # noqa: E731
     with caplog.at_level("WARNING", logger="osdp_jax"):
         plan = osdp_jax.plan(params, mesh, budget="1MiB", loss_fn=loss_fn, batch=x, optimizer=optax.adam(1e-3))
-    said = [r.getMessage() for r in caplog.records if "sliced per iteration" in r.getMessage()]
-    assert len(said) == 1 and "e.g. blocks/Dense_0/bias, blocks/Dense_0/kernel" in said[0]
-    assert "osdp_jax.layers.Stack (linen)" in said[0]
-    assert not any(pp.in_loop for pp in plan.params) and plan.xla_peak_bytes <= plan.budget_bytes
+    assert not any("sliced per iteration" in r.getMessage() for r in caplog.records)
+    assert {pp.path for pp in plan.params if pp.model_loop} == {"blocks/Dense_0/bias", "blocks/Dense_0/kernel"}
+    assert plan.xla_peak_bytes <= plan.budget_bytes
     caplog.clear()
-    stacked, cfg, _ = models.get("gpt2-mini")
-    params = models.init_params(stacked, 16, seed=0)
+
+    def cast_first(p, b):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), b, p["stack"].astype(jnp.bfloat16))[0].sum()
+    params = {"stack": jnp.ones((4, 16, 16))}
     with caplog.at_level("WARNING", logger="osdp_jax"):
-        in_loop, _ = osdp_jax.discover(models.make_loss(stacked), params, toy.lm_batch(cfg.vocab_size, 16, 16))
-    assert in_loop and not any("sliced per iteration" in r.getMessage() for r in caplog.records)
+        assert osdp_jax.model_loops(cast_first, params, jnp.ones((8, 16), jnp.bfloat16)) == set()
+    said = [r.getMessage() for r in caplog.records if "sliced per iteration" in r.getMessage()]
+    assert len(said) == 1 and "e.g. stack" in said[0] and "unchanged to jax.lax.scan" in said[0]

@@ -218,9 +218,9 @@ class Layout:
         a sharded parameter's default is ``"shard"`` (reduce-scattered in each); ``"whole"`` sums
         it whole and reduces it once, keeping a zero3/hsdp weight gathered across them.
         ``model_loop``: layer-stacked paths the model slices per iteration with a
-        ``jax.lax.scan`` of its own (Flax ``nn.scan``, ``nnx.scan``; ``osdp_jax.planning.model_loops``
-        finds them); they are ``in_loop`` too, run as one segment, unsplit, under the model's own
-        remat, each layer's slice gathered inside the loop (``runtime.model_loops``)."""
+        ``jax.lax.scan`` of its own (Flax ``nn.scan``, ``nnx.scan``; ``osdp_jax.model_loops``
+        finds them); they are ``in_loop`` too (segments and remat as for those), unsplit, each
+        layer's slice gathered inside the model's loop (``runtime.model_loops``)."""
         axes = data_axes(mesh, axis)
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
@@ -262,9 +262,9 @@ class Layout:
             for seg in segs:
                 if seg.strategy == "zero2":
                     state_spec_for((seg.layers, *i.shape[1:]), "zero2", seg.spec, axes, axes_size(mesh, axes), True)
-            if i.path in model_loop and (len(segs) > 1 or k > 1):
-                raise ValueError(f"parameter {i.path!r} is model_loop (sliced by the model's own scan): it runs as "
-                                 f"one segment, unsplit; give it no segments or split")
+            if i.path in model_loop and k > 1:
+                raise ValueError(f"parameter {i.path!r} is model_loop (sliced by the model's own scan): it is "
+                                 f"gathered whole per layer, not split; give it no split")
             if i.path in in_loop:
                 if len(i.shape) < 2:
                     raise ValueError(f"parameter {i.path!r} {i.shape} cannot be gathered per layer: a stacked "

@@ -33,9 +33,9 @@ from osdp_jax.runtime.interception import intercepting
 
 
 class Found(NamedTuple):
-    in_loop: set  # paths of stacked parameters (run by layers.scan)
+    in_loop: set  # paths of stacked parameters (run by layers.scan, or by the model's own scans: model_loop)
     dense: set  # paths of kernels that reach a dense layer
-    stacks: tuple  # per layers.scan call, the paths of its parameters
+    stacks: tuple  # per layers.scan call, then per scan of the model's own, the paths of its parameters
     units: tuple = ()  # possible units (runtime.units): (kind, name, parameter paths) per call
     saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
     fingerprint: str = ""  # the loss's (:func:`fingerprint`)
@@ -131,9 +131,8 @@ def _find(loss_fn, params, batch) -> Found:
     stacks = tuple(dict.fromkeys(s for s in ctx.recorded_stacks if s))  # a stack run twice is one
     found = (sorted(ctx.recorded_loop), sorted(ctx.recorded_split), stacks, tuple(ctx.recorded_units),
              sorted(ctx.recorded_saved.items(), key=repr))
-    scanned = scanned_params(closed.jaxpr, list(flat_params(params))) - set(ctx.recorded_loop)
-    shapes = {path: np.shape(x) for path, x in flat_params(params).items()}
-    model_loop = frozenset(p for p in scanned if len(shapes[p]) >= 2)
+    model_stacks = _model_stacks(closed.jaxpr, params, set(ctx.recorded_loop))
+    model_loop = frozenset(p for stack in model_stacks for p in stack)
     looped = looped_params(closed.jaxpr, list(flat_params(params))) - set(ctx.recorded_loop) - model_loop
     if looped:
         names = sorted(looped)
@@ -155,25 +154,43 @@ def _find(loss_fn, params, batch) -> Found:
             "weight of theirs is gathered once per step. A unit already runs under jax.checkpoint (plan(unit_remat=), "
             "\"full\" by default, as nn.remat): drop the transform around them to let the planner make them units",
             len(hidden), ", ".join(hidden[:3]))
-    return Found(ctx.recorded_loop, ctx.recorded_split, stacks, tuple(ctx.recorded_units), dict(ctx.recorded_saved),
-                 fingerprint(closed, jax.tree.structure(out), *found, sorted(model_loop)), model_loop)
+    return Found(set(ctx.recorded_loop) | model_loop, ctx.recorded_split, stacks + model_stacks,
+                 tuple(ctx.recorded_units), dict(ctx.recorded_saved),
+                 fingerprint(closed, jax.tree.structure(out), *found, model_stacks), model_loop)
+
+
+def _model_stacks(jaxpr, params, taken: set) -> tuple[tuple[str, ...], ...]:
+    """The stacks the model's own scans run (:func:`scanned_params`): each scan's stacked
+    parameters (two dimensions at least) not already run by ``osdp_jax.layers.scan`` (``taken``)
+    or by an earlier scan."""
+    shapes = {path: np.shape(x) for path, x in flat_params(params).items()}
+    out = []
+    for stack in scanned_params(jaxpr, list(shapes)):
+        mine = tuple(p for p in stack if len(shapes[p]) >= 2 and p not in taken)
+        taken.update(mine)
+        if mine:
+            out.append(mine)
+    return tuple(out)
 
 
 _PASS_THROUGH = {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims", "transpose"}
 _LOOPS = {"scan", "while"}
 
 
-def scanned_params(jaxpr, paths) -> set[str]:
-    """Paths of the parameters (the first ``len(paths)`` inputs of ``jaxpr``) passed unchanged as a
-    ``scan``'s per-iteration operand (``xs``), at the top level or inside ``jit`` and ``remat``
-    equations that take them in order: what ``runtime.model_loops`` runs per iteration."""
-    found: set[str] = set()
+def scanned_params(jaxpr, paths) -> list[tuple[str, ...]]:
+    """Per ``scan`` equation, the paths of the parameters (the first ``len(paths)`` inputs of
+    ``jaxpr``) it takes unchanged as per-iteration operands (``xs``), at the top level or inside
+    ``jit`` and ``remat`` equations that take them in order: the stacks ``runtime.model_loops``
+    runs per iteration."""
+    found: list[tuple[str, ...]] = []
 
     def walk(j, alias: dict):
         for eqn in j.eqns:
             ins = [alias.get(v) if not isinstance(v, jcore.Literal) else None for v in eqn.invars]
             if eqn.primitive.name == "scan":
-                found.update(p for p in ins[sum(scan_operand_counts(eqn.params)):] if p is not None)
+                stack = tuple(dict.fromkeys(p for p in ins[sum(scan_operand_counts(eqn.params)):] if p is not None))
+                if stack:
+                    found.append(stack)
                 continue
             for key in ("jaxpr", "call_jaxpr"):
                 sub = eqn.params.get(key)
@@ -189,7 +206,12 @@ def model_loops(loss_fn, params, batch) -> set[str]:
     """Paths of the stacked parameters ``loss_fn`` slices per iteration with a ``jax.lax.scan`` of
     its own (Flax ``nn.scan``, ``nnx.scan``), passed to it unchanged: the ``model_loop`` parameters
     of a layout (``Layout.from_specs(model_loop=)``), gathered one layer at a time inside the
-    model's loop. Traced abstractly (``params`` and ``batch`` may be abstract)."""
+    model's loop. Traced abstractly (``params`` and ``batch`` may be abstract).
+
+    Example:
+      >>> layout = osdp_jax.Layout.fsdp(params, mesh, model_loop=osdp_jax.model_loops(loss_fn, params, batch))
+      ... # doctest: +SKIP
+    """
     return set(find(loss_fn, params, batch).model_loop)
 
 
@@ -244,6 +266,6 @@ def looped_params(jaxpr, paths) -> set[str]:
 def discover(loss_fn, params, batch) -> tuple[set[str], set[str]]:
     """Paths of the stacked parameters ``loss_fn`` runs through ``osdp_jax.layers.scan``, and of the
     kernels it runs through a dense layer, traced abstractly (``params`` and ``batch`` may be
-    abstract)."""
+    abstract). Stacks the model runs with scans of its own are :func:`model_loops`."""
     found = find(loss_fn, params, batch)
-    return found.in_loop, found.dense
+    return set(found.in_loop) - found.model_loop, found.dense

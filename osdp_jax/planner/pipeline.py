@@ -912,6 +912,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
             pps.append(ParamPlan(path=i.path, shape=i.shape, dtype=str(i.dtype), strategy=head.strategy,
                                  spec=head.spec, nbytes=i.nbytes, in_loop=True, split=head.split,
                                  two_stage=head.two_stage, dense=i.path in problem.dense, segments=s,
+                                 model_loop=i.path in problem.model_loop,
                                  gather_dtype=problem.compute_dtype if any(x.strategy in GATHERED for x in s)
                                  else ""))
             continue

@@ -171,13 +171,13 @@ class Problem:
             if strategy == "replicate" and zero2_where(i) and self.spec_of(i, "zero2") is not None:
                 strategy = "zero2"
             k = splits.get(i.path, 1) if strategy == "zero3" else 1
-            looped = i.path in self.model_loop  # the model's own scan: one segment, its own remat
-            segs = _probe_segments(i.shape[0], 0 if looped else remat_layers(i.shape[0]), spec, strategy, k, remat) \
+            segs = _probe_segments(i.shape[0], remat_layers(i.shape[0]), spec, strategy, k, remat) \
                 if i.path in self.in_loop else ()
             unit = self.units.get(i.path, "") if strategy == "zero3" and k == 1 else ""
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
                                       i.path in self.dense, segs, unit,
-                                      self.compute_dtype if strategy == "zero3" else "", model_loop=looped))
+                                      self.compute_dtype if strategy == "zero3" else "",
+                                      model_loop=i.path in self.model_loop))
         return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)
 
 
@@ -234,8 +234,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         loop_found, dense_found, found_stacks = found.in_loop, found.dense, found.stacks
         in_loop = frozenset(p for p in loop_found if len(shapes.get(p, ())) >= 2)
         stacks = _stacks(found_stacks, in_loop)
-        model_loop = frozenset(found.model_loop) - in_loop
-        in_loop = in_loop | model_loop
+        model_loop = frozenset(found.model_loop) & in_loop
         splittable = frozenset(p for p in dense_found if len(shapes.get(p, ())) == 2 + (p in in_loop)) - model_loop
         dense = frozenset(p for p in dense_found if p in shapes and p not in in_loop)
         unit_of = {p: u for p, u in from_found(found, infos, units).items() if p not in model_loop}

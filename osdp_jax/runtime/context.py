@@ -118,9 +118,9 @@ class StepContext:
     param_shapes: dict = dataclasses.field(default_factory=dict)  # discovery: path -> shape of each parameter
     recorded_hidden: list = dataclasses.field(default_factory=list)  # discovery: linen call sites whose parameters
     #                                                                  reach them only through a lifted transform
-    # id(placeholder) -> (placeholder, shard, LoopEntry, path): stacks run by the model's own scans
+    # stacks run by the model's own scans
     # (runtime.model_loops); loop_used: the paths a scan ran per iteration
-    loop_placeholders: dict = dataclasses.field(default_factory=dict)
+    loop_placeholders: dict = dataclasses.field(default_factory=dict)  # id -> (placeholder, StackView)
     loop_used: set = dataclasses.field(default_factory=set)
 
     def wrap(self, array, path: str):

@@ -43,7 +43,7 @@ from osdp_jax.runtime.collectives import device_index, gather
 from osdp_jax.runtime.context import SplitEntry, StepContext, active
 from osdp_jax.runtime.hooks import wrap_tree
 from osdp_jax.runtime.interception import intercepting
-from osdp_jax.runtime.model_loops import LoopEntry, placeholder
+from osdp_jax.runtime.model_loops import placeholder
 from osdp_jax.runtime.place import check_matches, check_mesh
 from osdp_jax.runtime.stack import SegmentRun, StackView
 
@@ -113,11 +113,10 @@ def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = Tr
 
     def gather_here(path, w, s):
         name = path_name(path)
-        if name in stacks:
+        if name in stacks or name in loops:
             parts = w.parts if isinstance(w, Segmented) else (w,)
-            return StackView(name, gathering.shapes[name], parts[0].dtype, parts, stacks[name])
-        if name in loops:
-            return placeholder(w, loops[name], name)
+            view = StackView(name, gathering.shapes[name], parts[0].dtype, parts, {**stacks, **loops}[name])
+            return placeholder(view) if name in loops else view
         if sharded_dim(s) is None or name in split_specs:
             return w
         return gather(w, sharded_dim(s), how[name])
@@ -323,7 +322,7 @@ def lay_out_tree(tree, specs, mesh):
 def _check_loops_ran(ctx: StepContext, loops: dict) -> None:
     """Every sharded ``model_loop`` parameter was run per iteration by a scan: a ``ValueError``
     naming the first that was not (its placeholder was gathered whole, once per step)."""
-    missed = sorted(set(loops) - ctx.loop_used)
+    missed = sorted(p for p, runs in loops.items() if p not in ctx.loop_used and any(r.how for r in runs))
     if missed:
         raise ValueError(
             f"parameter {missed[0]!r} is laid out model_loop (gathered per iteration of the model's own "
@@ -345,7 +344,7 @@ class _Gathering(NamedTuple):
     kept: frozenset = frozenset()  # sharded, gathered once per step and kept across microbatches
     zero2_whole: frozenset = frozenset()  # zero2 gradients summed whole across microbatches (the others
     #                                       are reduce-scattered in every microbatch)
-    loops: dict = {}  # path -> LoopEntry: stacked, sliced per iteration by the model's own scan
+    loops: dict = {}  # path -> SegmentRuns: stacked, sliced per iteration by the model's own scans
 
     def inside_microbatches(self) -> "_Gathering":
         """The gathering of the microbatch loop's body: the kept weights arrive gathered."""
@@ -383,10 +382,6 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
     shapes = {i.path: i.shape for i in infos}
     split_specs, stacks, units, loops = {}, {}, {}, {}
     for pl in layout.params:
-        if pl.model_loop:  # sliced per iteration by the model's own scan (runtime.model_loops)
-            if how[pl.path] is not None:
-                loops[pl.path] = LoopEntry(sharded_dim(pl.spec), how[pl.path])
-            continue
         if pl.in_loop:
             runs = []
             segments = pl.segments or one_segment(shapes[pl.path][0], pl.spec, pl.strategy, pl.split,
@@ -395,7 +390,8 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
                 c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype)
                 runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
                                        axes_size(mesh, c.axes) if c else 1, seg.remat))
-            stacks[pl.path] = tuple(runs)
+            # sliced per iteration by the model's own scan (runtime.model_loops), or by layers.scan
+            (loops if pl.model_loop else stacks)[pl.path] = tuple(runs)
             continue
         if how[pl.path] is not None and (pl.split > 1 or pl.dense or pl.unit):
             split_specs[pl.path] = SplitEntry(sharded_dim(pl.spec), how[pl.path], pl.split,
@@ -410,7 +406,7 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
     zero2_whole = frozenset(p for pl in layout.params for p in (
         [f"{pl.path}/{j}" for j in range(len(pl.segments))] + [pl.path] if pl.in_loop else
         [pl.path] if pl.strategy == "zero2" and accumulation("zero2", pl.accumulate) == "whole" else []))
-    return _Gathering(how, stacks, {p: shapes[p] for p in stacks}, split_specs, per_step, units,
+    return _Gathering(how, stacks, {p: shapes[p] for p in (*stacks, *loops)}, split_specs, per_step, units,
                       layout.unit_remat, kept, zero2_whole, loops)
 
 

@@ -1,56 +1,52 @@
 """Layer stacks run by a loop of the model's own: ``jax.lax.scan``, Flax ``nn.scan``, ``nnx.scan``.
 
 A stacked parameter ``[L, ...]`` that the layout marks ``model_loop`` reaches the model as a
-*placeholder*: the whole stack, all-gathered, as an array of its own shape, so Flax's shape checks
-and the model's code see what they expect. When the model passes the placeholder unchanged as a
-per-iteration operand (``xs``) of ``jax.lax.scan`` (Flax's ``nn.scan`` and ``nnx.scan`` do, for
-``variable_axes={"params": 0}``), the scan runs on this device's shard instead, and its body
-gathers one layer's slice per iteration:
+*placeholder*: the whole stack as one array of its own shape (all-gathered where it is sharded),
+so Flax's shape checks and the model's code see what they expect. When the model passes the
+placeholder unchanged as a per-iteration operand (``xs``) of ``jax.lax.scan`` (Flax's ``nn.scan``
+and ``nnx.scan`` do, for parameters scanned along axis 0), the scan runs as
+``osdp_jax.layers.scan`` runs a stack: segment by segment as the plan cuts it, each segment its
+own scan over this device's arrays, whose body
 
-    jax.checkpoint(gather the slices, then the model's body; policy: save all but the gathered)
+- gathers its layer's slice of each sharded parameter (``runtime.stack.StackView.layer``), and
+- runs the model's body under ``jax.checkpoint`` with the segment's remat policy; a gathered
+  weight is never saved for the backward pass, under any policy.
 
-so one layer's gathered weights are alive at a time, the backward pass gathers each slice again
-and reduce-scatters its gradient, and the model's own remat inside the body (``nn.remat``,
-``jax.checkpoint``) is kept as it is. The placeholder's own all-gather is then unused, and XLA
-removes it. A placeholder the model uses anywhere else (cast or sliced before the loop, or read
-outside it) stays a correct whole gather, once per step.
+So one layer's gathered weights are alive at a time, and the backward pass gathers each slice
+again and reduce-scatters its gradient. The model's own remat inside the body (``nn.remat``,
+``jax.checkpoint``) runs inside the segment's; under the segment's ``"full"`` policy nothing of the
+body is saved, whatever the model's policy. The placeholder's own gather is then unused, and XLA
+removes it. A placeholder the model uses anywhere else (cast or sliced before the loop, read
+outside it) is a correct whole gather, once per step; ``runtime.gradient`` raises when a sharded
+one never reaches a scan.
 
 ``jax.lax.scan`` is wrapped once, on first use, by a function that defers to JAX's own unless this
-thread is tracing an osdp-jax step that has placeholders: no other code sees a difference. Code
-that bound the function before (``from jax.lax import scan``) calls JAX's own, and its stack is
-gathered once per step.
+thread is tracing an osdp-jax step with placeholders: no other code sees a difference. Code that
+bound the function before (``from jax.lax import scan`` at import) calls JAX's own.
 """
 from __future__ import annotations
 
 import functools
 import threading
-from typing import NamedTuple
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
 
-from osdp_jax.core.layout import Collective
-from osdp_jax.core.stack import GATHERED_NAME, remat_policy
+from osdp_jax.core.stack import remat_policy
 from osdp_jax.runtime.collectives import gather
 from osdp_jax.runtime.context import ACTIVE
+from osdp_jax.runtime.stack import StackView
 
 _LOCK = threading.Lock()
 _ORIGINAL: dict = {}
 
 
-class LoopEntry(NamedTuple):
-    """How a ``model_loop`` parameter is stored on this device and gathered per iteration."""
-
-    dim: int  # the stored [L, ...] parameter's sharded dimension (a layer's slice: dim - 1)
-    how: Collective
-
-
-def placeholder(shard, entry: LoopEntry, path: str):
-    """The whole stacked parameter as the model sees it (module docstring), registered in the
-    step's context so that :func:`scan` finds it."""
-    ctx = ACTIVE.get()
-    whole = gather(shard, entry.dim, entry.how)
-    ctx.loop_placeholders[id(whole)] = (whole, shard, entry, path)
+def placeholder(view: StackView):
+    """The whole stacked parameter of ``view`` as one array (module docstring), registered in the
+    step's context so that the wrapped ``jax.lax.scan`` finds it."""
+    parts = [part if run.how is None else gather(part, run.dim, run.how) for part, run in zip(view.parts, view.runs)]
+    whole = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    ACTIVE.get().loop_placeholders[id(whole)] = (whole, view)
     _install()
     return whole
 
@@ -72,25 +68,44 @@ def _install() -> None:
         jax.lax.scan = dispatch
 
 
-def _scan(original, ctx, f, init, xs, *args, **kwargs):
-    """``original(f, init, xs, ...)`` with each placeholder among ``xs``'s leaves run on its shard
-    and gathered one slice per iteration (module docstring)."""
+def _scan(original, ctx, f, init, xs, length=None, reverse=False, unroll=1, **kwargs):
+    """``original(f, init, xs, ...)``, run segment by segment on this device's arrays when a
+    placeholder is among ``xs``'s leaves (module docstring)."""
     leaves, treedef = jax.tree.flatten(xs)
-    hits = {}
+    views = {}
     for i, leaf in enumerate(leaves):
         hit = ctx.loop_placeholders.get(id(leaf))
         if hit is not None and hit[0] is leaf:
-            hits[i] = hit
-    if not hits:
-        return original(f, init, xs, *args, **kwargs)
-    ctx.loop_used.update(path for _, _, _, path in hits.values())
-    local = [hits[i][1] if i in hits else leaf for i, leaf in enumerate(leaves)]
+            views[i] = hit[1]
+    if not views:
+        return original(f, init, xs, length=length, reverse=reverse, unroll=unroll, **kwargs)
+    first = next(iter(views.values()))
+    _check_segments(views.values(), first)
+    ctx.loop_used.update(v.path for v in views.values())
+    order = range(len(first.runs))
+    carry, ys = init, [None] * len(first.runs)
+    for j in reversed(order) if reverse else order:
+        run = first.runs[j]
+        part = [views[i].parts[j] if i in views else leaf[run.start:run.stop] for i, leaf in enumerate(leaves)]
 
-    def body(carry, x):
-        parts = treedef.flatten_up_to(x)
-        for i, (_, _, entry, _) in hits.items():
-            parts[i] = checkpoint_name(gather(parts[i], entry.dim - 1, entry.how), GATHERED_NAME)
-        return f(carry, jax.tree.unflatten(treedef, parts))
+        def body(c, x, j=j):
+            sliced = treedef.flatten_up_to(x)
+            used = [views[i].layer(j, p) if i in views else p for i, p in enumerate(sliced)]
+            return f(c, jax.tree.unflatten(treedef, used))
 
-    body = jax.checkpoint(body, policy=remat_policy("none"), prevent_cse=False)
-    return original(body, init, jax.tree.unflatten(treedef, local), *args, **kwargs)
+        body = jax.checkpoint(body, policy=remat_policy(run.remat), prevent_cse=False)
+        carry, ys[j] = original(body, carry, jax.tree.unflatten(treedef, part), reverse=reverse, unroll=unroll,
+                                **kwargs)
+    if len(ys) == 1:
+        return carry, ys[0]
+    return carry, jax.tree.map(lambda *y: jnp.concatenate(y, axis=0), *ys)
+
+
+def _check_segments(views, first: StackView) -> None:
+    bounds = [(r.start, r.stop, r.remat) for r in first.runs]
+    for v in views:
+        if [(r.start, r.stop, r.remat) for r in v.runs] != bounds:
+            raise ValueError(
+                f"parameters {first.path!r} and {v.path!r} run in one scan but the plan cuts them into "
+                f"different segments: a layout must give every parameter of a stack the same segment "
+                f"bounds and remat policies")
