@@ -528,3 +528,49 @@ def lax_scanned(d=128, depth=6, batch=32, stack=False):
             x = jax.lax.scan(lambda h, layer: (block(layer, h), None), b["x"], p["blocks"])[0]
         return ((x @ p["head"] - b["y"]) ** 2).mean()
     return params, loss_fn, data
+
+
+class SwigluBlock(nn.Module):
+    """A Llama-style decoder block: RMSNorm, bias-free ``DenseGeneral`` q/k/v/o with ``heads``
+    heads (causal attention), RMSNorm, SwiGLU ``gate``/``up``/``down``."""
+
+    d: int = 128
+    ffn: int = 352
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.d // self.heads
+        h = nn.RMSNorm()(x)
+        q, kk, v = (nn.DenseGeneral((self.heads, k), use_bias=False, name=n)(h) for n in ("q", "k", "v"))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(k)
+        mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1), v)
+        x = x + nn.DenseGeneral(self.d, axis=(-2, -1), use_bias=False, name="o")(a)
+        h = nn.RMSNorm()(x)
+        gate = nn.Dense(self.ffn, use_bias=False, name="gate")(h)
+        up = nn.Dense(self.ffn, use_bias=False, name="up")(h)
+        return x + nn.Dense(self.d, use_bias=False, name="down")(jax.nn.silu(gate) * up)
+
+
+class SwigluLM(nn.Module):
+    """An embedding, ``layers`` :class:`SwigluBlock` run by ``osdp_jax.layers.Stack``, RMSNorm and
+    an LM head."""
+
+    vocab: int = 1024
+    d: int = 128
+    ffn: int = 352
+    layers: int = 12
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d)(tokens)
+        x = osdp_jax.layers.Stack(SwigluBlock(self.d, self.ffn), self.layers, name="blocks")(x)
+        return nn.Dense(self.vocab, use_bias=False, name="head")(nn.RMSNorm()(x))
+
+
+def swiglu_lm(layers=12, d=128, ffn=352, vocab=1024, batch=32, seq=32):
+    """``(params, loss_fn, batch)`` of :class:`SwigluLM` on random tokens."""
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
+    return _linen_classifier(SwigluLM(vocab, d, ffn, layers), {"x": tokens[:, :-1], "y": tokens[:, 1:]})

@@ -148,8 +148,8 @@ def check_optimizer(optimizer, params) -> None:
 
 @functools.lru_cache(maxsize=16)
 def _check_update(optimizer, treedef, shapes) -> None:
-    """Trace ``init`` and ``update``; kept per optimizer and parameter shapes (gpt2-48l-1536's
-    adam: 13 to 60 ms traced, about a kept re-plan's whole search; 0.1 ms kept)."""
+    """Trace ``init`` and ``update``; kept per optimizer and parameter shapes, since a re-plan
+    would otherwise trace them again."""
     params = treedef.unflatten([jax.ShapeDtypeStruct(s, d) for s, d in shapes])
     state = jax.eval_shape(optimizer.init, params)
     jax.eval_shape(lambda s, p: optimizer.update(p, s, p), state, params)
@@ -158,9 +158,8 @@ def _check_update(optimizer, treedef, shapes) -> None:
 def map_state_params(optimizer, f, state, *rest, **kwargs):
     """``optax.tree_map_params(optimizer, f, state, *rest, **kwargs)``, the optimizer's ``init``
     traced (``jax.eval_shape``), not run: optax runs it to find the state's param-shaped parts,
-    and run, it built its arrays on the device (adam's step count), so a process's first plan paid
-    XLA's first compiles for them in the planner's main thread (2.8 s of gpt2-mini's first cold
-    plan). What ``init`` returns only marks where the params are; ``f`` and
+    and run, it would build its arrays on the device (adam's step count), paying XLA compiles for
+    them in the planner's main thread. What ``init`` returns only marks where the params are; ``f`` and
     ``transform_non_params`` get the leaves of ``state`` and ``rest``, so nothing traced is
     returned.
 

@@ -206,7 +206,7 @@ class Layout:
         one segment with the ``remat`` policy, unless ``segments`` (path -> list of
         :class:`~osdp_jax.Segment`) cuts it into several. A sharded stack left out of ``in_loop`` is
         an error when the step runs, unless ``stacks_per_step``: then it is gathered whole before
-        the loss (what ``experiments/benchmarks/gather_memory.py`` measures against). ``units``:
+        the loss (to measure what per-layer gathering saves). ``units``:
         path -> the unit (``osdp_jax.units``, e.g. a linen module path such as ``"blocks_3"``) a
         sharded parameter is gathered at, instead of once per step; ``unit_remat`` the remat policy
         its units run under. ``zero2``: paths stored whole (their spec must be replicated) whose

@@ -44,8 +44,8 @@ def save_all_but_gathered(prim, *_, **params) -> bool:
     """The ``"none"`` policy: save everything but the weights gathered inside the checkpoint.
     Naming them is not enough: ``checkpoint_name`` only copies its input, the output of the
     gather (a ``custom_vjp`` call), which ``save_anything_except_these_names`` would save
-    (``experiments/benchmarks/units_memory.py``: an 8-layer zero3 stack of 1 MiB layers kept 11.1 MiB
-    of temp, every layer's weight; with the gathers excluded too, 3.1 MiB)."""
+    (every layer's gathered weight would then be kept for the backward pass); the gathers'
+    outputs are excluded too."""
     if prim.name == "name":
         return params.get("name") != GATHERED_NAME
     return "custom_vjp" not in prim.name

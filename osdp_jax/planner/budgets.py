@@ -2,8 +2,8 @@
 
 ``plan()`` at each of n budgets compiles the probes once (they are kept in the process) and then,
 per budget, the chosen plan's step for XLA's figures: n verification compiles, one after the
-other, each traced and lowered in Python (about 1 s on gpt2-48l-1536) and then compiled by XLA
-on one core (about 1.5 s there). Those compiles do not depend on each other, so
+other, each traced and lowered in Python and then compiled by XLA on one core. Those compiles
+do not depend on each other, so
 :func:`plan_budgets` plans the first budget alone (its probes compiled, what its compile taught
 the planner kept: the pool overlap, the error margin), drafts every later budget by the cost
 model (``plan(verify=False)``: a search, milliseconds), and compiles the drafts' steps together

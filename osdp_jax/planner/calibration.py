@@ -83,14 +83,10 @@ class ProbeKind(enum.Enum):
         left: a one-layer segment is a loop XLA removes), so the stack mixes the policy with
         "full", as the searched plans do. A stack under one policy alone measures less: XLA's
         peak holds the saved activations of every layer plus the backward pass's transient of the
-        policy that recomputes most, and with "full" gone that transient is smaller too. Measured
-        on gpt2-48l-1536 at batch 128 (the 12 GB plan's layout, n layers "dots" and the rest
-        "full", compiled for its figures): 384.0 MiB more temp per "dots" layer for every n from
-        2 to 46, but 382.3 per layer at n = 48; the term fitted on the all-"dots" probe (379.0
-        MiB) left every mixed plan at that size under XLA's peak by about 5 MiB per "dots" layer
-        (40 MiB at 8 layers, which cost the 12 GB re-plan a second compile). Fitted so, a plan
-        with every layer under the policy is over-predicted by that transient's difference
-        (84 MiB there, 0.3% of the peak)."""
+        policy that recomputes most, and with "full" gone that transient is smaller too, so a
+        term fitted on a stack under one policy alone under-predicts the mixed plans the search
+        returns. Fitted so, a plan with every layer under the policy is over-predicted by that
+        transient's difference instead, which leaves it on the safe side of the budget."""
         if self.remat == "full" or layers < 4:
             return layers
         return layers - 2
@@ -439,12 +435,10 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     terms are scaled to each size b in proportion, ``term(b) = term(B) b / B``: what a policy
     keeps or recomputes is activations, close to linear in the batch through zero. The split's
     saving per byte (sigma) is kept the same at every size: it is a weight term, one layer's
-    gathered slice (on opt-30b-8l; scaled in proportion instead, it came out too small at batch
-    32 and OSDP fell from batch 32 split, 3.8 samples/s, to batch 8, 1.7, slower than FSDP).
+    gathered slice, which does not grow with the batch.
     The other probes are compiled at both ends: their temp is a max of pools (replicated gradients,
     gathered weights, activations), not a sum, and a difference at one size does not carry to
-    another (on gpt2-48l-1536 the all-replicated step's temp is the gradient pool's at every
-    size).
+    another (which pool is the largest can change with the batch size).
     """
     sizes = sorted(batches)
     kinds = probe_kinds(problem)

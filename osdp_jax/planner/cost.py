@@ -51,9 +51,8 @@ gathered one slice at a time inside its own rematerialised loop. A per-step kern
 (zeta - tau (1 - 1/k)) p_i in the Z pool instead of zeta p_i (at least 0), tau fitted at the
 largest batch size on a probe that splits every per-step kernel at its largest k, linear from
 zeta at the smallest size (unmeasured there) and never over zeta between. What such a split
-saves is not the gathered weight's share of the pool: on gpt2-48l-1536 the LM head split in 8
-saves 315, 96 and 24 MiB at batch 16, 64 and 128 (zeta (1 - 1/k) p: about 250 MiB at every
-size), as XLA places the gathered head in a slot that logits-sized buffers use at other times.
+saves is not the gathered weight's share of the pool, and it changes with the batch size: XLA
+places the gathered kernel in a slot that activation-sized buffers use at other times.
 A per-layer kernel saves a further sigma (1 - 1/k) p_i / L_i bytes of temp (L_i layers), sigma
 fitted on a probe that splits every per-layer kernel at its largest k.
 
@@ -61,16 +60,12 @@ fitted on a probe that splits every per-layer kernel at its largest k.
 shards all-gathered into the output): a per-step zero2 parameter leaves the R pool and holds
 xi p_i of temp instead, xi = max(1 + rho, fitted). The fit is on a probe with every shardable
 per-step parameter zero2 (``temp_2 = temp_R - (1 + rho) Z2_T + xi Z2_T``), taken only when the
-search may choose zero2. Measured (``experiments/benchmarks/zero2_memory.py``), the fit is about
-0.2 on a 2-layer MLP (the full-size gradients never all alive: temp 46 KiB vs 512 KiB replicated)
-and about 2 on the einsum LM of tests/foreign.py (2,261 vs 2,270 KiB). It is not
+search may choose zero2 (``experiments/benchmarks/zero2_memory.py`` measures it). It is not
 used below 1 + rho: in that probe the zero2 gradients can hide behind the replicated stacks'
-gradient buffers, which a plan with zero3 stacks no longer has. On OPT-30B-8L a fitted xi
-predicted a plan with a zero2 embedding 9% under XLA's peak (12.44 vs 13.67 GiB), and the
-verification then pushed the search to a plan at half OSDP's throughput. So zero2 is charged at
-least what replication is, and over-predicted where its gradients never coexist (the MLP). A
-per-layer or unit parameter made zero2 keeps its temp (its gradient accumulates whole in the loop
-as replicated; gpt2-mini's stack: 1,712 vs 1,717 KiB).
+gradient buffers, which a plan with zero3 stacks no longer has, and a fit under 1 + rho
+under-predicts such plans. So zero2 is charged at least what replication is, and over-predicted
+where its gradients never coexist. A per-layer or unit parameter made zero2 keeps its temp (its
+gradient accumulates whole in the loop, as a replicated one's does).
 
 (rho = 1.) As ``(1 - omega) max(A, B) + omega (A + B)``, the search is a two-pool knapsack
 (``_search.solve_pools``), solved exactly.
@@ -365,10 +360,7 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
       last_unit: paths of the unit the forward pass calls last. Its backward pass runs first, at
         the activation peak, where its forward pass runs again (or its activations are still
         saved) either way, so sharding it saves only ``Calibration.last_saving`` bytes per byte
-        (its replicated gradient, alive at the next unit's backward pass), not kappa's:
-        the einsum LM of 8 unrolled blocks with every
-        other block sharded, replicating any other block costs 1.69 MiB of XLA's temp, the last
-        0.40 MiB.
+        (its replicated gradient, alive at the next unit's backward pass), not kappa's.
       saving: per parameter, the bytes the kappa term counts (``Problem.saving_bytes``: a unit's
         share follows its saved activations); default its bytes.
       unit_scale: the units' temp savings (kappa and lambda terms) are scaled by it: 1 as fitted

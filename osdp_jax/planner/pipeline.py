@@ -144,8 +144,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         (``(1,)`` disables operator splitting; a kernel gathered once per step is split only when
         splitting all such kernels could shrink them by ``STEP_SPLIT_SHARE``, 1%, of the budget),
         ``verify`` (True, the default, or ``"figures"``: compile the chosen plan for XLA's
-        figures only, as the probes are, about a third of a full compile on XLA:CPU and within
-        1 KiB of its peak there (exact elsewhere), and ``make_train_step`` compiles it to run;
+        figures only, as the probes are, cheaper than a full compile on XLA:CPU and within
+        ``runtime.step.PROBE_TOLERANCE`` of its peak there (exact elsewhere), and
+        ``make_train_step`` compiles it to run;
         ``"full"``: compile it to run here, the executable ``make_train_step`` then takes (no
         compile there), checked as a probe first when predicted within 10% of the budget: for a
         plan trained at once, one compile less in all; False: trust the model),
@@ -155,9 +156,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         ``("full",)`` keeps full rematerialisation), ``per_layer`` (False: every layer of a stack
         takes the same choice, one segment), ``segment_gain`` (e.g. 0.01: a plan that cuts a
         stack into s segments is taken only if its predicted samples/s beat the best plan with every
-        layer alike, one segment, by a factor ``(1 + segment_gain) ** (s - 1)``: each loop compiles
-        on its own, and on gpt2-48l-1536 a three-segment step took 2.2 to 3.1 times as long to compile
-        as a one-segment one; the default 0 takes the
+        layer alike, one segment, by a factor ``(1 + segment_gain) ** (s - 1)``: each segment's
+        loop compiles on its own, so a step of s segments takes longer to compile; the default 0
+        takes the
         fastest plan whatever its segments), ``units`` (``fnmatch`` patterns of the submodules
         whose sharded weights are gathered on each call and again in the backward pass,
         ``osdp_jax.units``; None: the default policy; ``()``: none) and ``unit_remat`` (the remat
@@ -191,22 +192,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     plan_options = dataclasses.replace(options or PlanOptions(), **kwargs)
     if isinstance(plan_options.budget, str) and plan_options.budget.strip().lower() == "least":
         return _least_memory_plan(params, mesh, plan_options)
-    if plan_options.loss_fn is not None:
-        plan_options = dataclasses.replace(plan_options, loss_fn=PlainLoss.of(plan_options.loss_fn,
-                                                                              plan_options.has_aux, plan_options.rng,
-                                                                              plan_options.state))
+    plan_options = _checked(plan_options, mesh)
     strategies, splits = check_strategies(plan_options.strategies), check_splits(plan_options.splits)
     axes = data_axes(mesh, plan_options.axis)
-    if "hsdp" in strategies and len(axes) < 2 and not set(strategies) - {"hsdp", "replicate"}:
-        raise ValueError(f"strategy 'hsdp' needs two or more data-parallel mesh axes (sharded inside the last, "
-                         f"replicated across the others); this mesh's are {list(axes)}, so every parameter would "
-                         f"be replicated. Use a 2-D mesh, e.g. jax.make_mesh((2, 4), ('node', 'data')), or "
-                         f"strategies=('zero3',)")
-    if plan_options.verify not in (True, False, "figures", "full"):
-        raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
-                         f"(compile the step training then runs) or False (trust the model), "
-                         f"got {plan_options.verify!r}")
-    check_segment_gain(plan_options.segment_gain)
     policies = _policies(plan_options.remat)
     hw = resolve_hardware(plan_options.hardware, mesh)
     budget = parse_bytes(plan_options.budget) if plan_options.budget is not None else hw.memory_bytes
@@ -214,52 +202,27 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     batches = _batches(plan_options.loss_fn, plan_options.batch, plan_options.batch_sizes, axes_size(mesh, axes))
     problem = build_problem(params, mesh, axes, strategies, splits, plan_options.loss_fn,
                             None if plan_options.batch is None else batches[min(batches)], plan_options.units,
-                            plan_options.unit_remat,
-                            check_dtype(plan_options.compute_dtype))
+                            plan_options.unit_remat, check_dtype(plan_options.compute_dtype))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     check_optimizer(optimizer, abstract)
     problem = _step_splits_worth_probing(problem, budget)
     calibrator = plan_options.calibrator or XlaCalibrator(plan_options.loss_fn, optimizer, abstract, mesh,
-                                               default_hardware(mesh).memory_bytes)
+                                                          default_hardware(mesh).memory_bytes)
     one = functools.partial(_plan_problem, plan_options=plan_options, params=params, mesh=mesh, hw=hw, budget=budget,
-                            optimizer=optimizer,
-                            abstract=abstract, batches=batches, policies=policies, calibrator=calibrator,
-                            start=start)
+                            optimizer=optimizer, abstract=abstract, batches=batches, policies=policies,
+                            calibrator=calibrator, start=start)
     # the counts some batch size splits into; without a loss function nothing is accumulated
     counts = check_microbatches(plan_options.microbatches, None if plan_options.loss_fn is None else batches,
                                 axes_size(mesh, axes))
     counts = counts if plan_options.loss_fn is not None else (1,)
-
-    n0, s0, r0 = compile_count(), compile_seconds(), _probe_store.reads()
+    before = compile_count(), compile_seconds(), _probe_store.reads()
     # with the default unit policy's units, also without them: a unit saves memory for one more
     # gather (and, under the default "full" unit remat, its forward pass again)
-    problems = [problem] if plan_options.units is not None or not problem.units else [problem,
-                                                                                      dataclasses.replace(problem,
-                                                                                                        units={})]
-    first = _replication_may_be_fastest(problem, plan_options, counts, calibrator, axes)
-    if first or (len(problems) > 1 and plan_options.loss_fn is not None and 1 in counts and hasattr(calibrator,
-                                                                                                    "compile_all")):
-        # the problems' probes in one batch on the compile threads (each problem's calibrate then
-        # finds its own kept): the ViT of foreign_models.py probed 5, then 2, one batch after the
-        # other. Where every parameter replicated at the largest batch size is the fastest plan
-        # the model can give, its probe comes first, and the batch ends once XLA's peak of it fits
-        top, fits, replicated = max(batches), [], dataclasses.replace(problem, units={}).replicated_only()
-
-        def stop(job, figures) -> bool:  # passed only with ``first``
-            if job[0] is replicated:
-                fits.append(figures[0].peak_bytes <= budget)
-            return any(fits)
-
-        ddp_probe = [(replicated, probe_requests(replicated, {top: batches[top]})[1])] if first else []
-        calibrator.compile_all(ddp_probe + [(p, probe_requests(p, batches, plan_options.measure_time, policies)[1])
-                                            for p in problems], _progress, stop if first else None)
-        if any(fits):
-            log.info("every parameter replicated at batch size %d fits: the fastest plan by the model, so no "
-                     "other layout was probed", top)
-            ddp = one(replicated, batches={top: batches[top]})
-            return dataclasses.replace(ddp, planning_seconds=time.perf_counter() - start,
-                                       compiles=compile_count() - n0, compile_seconds=compile_seconds() - s0,
-                                       probes_read=_probe_store.reads() - r0)
+    problems = [problem] if plan_options.units is not None or not problem.units else [
+        problem, dataclasses.replace(problem, units={})]
+    ddp = _probe_together(problems, one, plan_options, counts, calibrator, axes, batches, budget, policies)
+    if ddp is not None:
+        return _timed(ddp, start, before)
     runs = [functools.partial(one, p, microbatches=m) for p in problems for m in counts]
     if plan_options.segment_gain and plan_options.per_layer and problem.stacks:  # also every layer of each stack alike
         runs += [functools.partial(_one_segment, one, p, microbatches=m) for p in problems for m in counts]
@@ -272,8 +235,64 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         raise InfeasibleBudgetError(f"{e}. {hint}", e.min_bytes) from None
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")
-    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
+    return _timed(best, start, before)
+
+
+def _checked(plan_options: PlanOptions, mesh) -> PlanOptions:
+    """``plan_options`` with its loss function wrapped (``PlainLoss``), or one clear ``ValueError``
+    for an option that cannot work."""
+    if plan_options.loss_fn is not None:
+        plan_options = dataclasses.replace(plan_options, loss_fn=PlainLoss.of(plan_options.loss_fn,
+                                                                              plan_options.has_aux, plan_options.rng,
+                                                                              plan_options.state))
+    strategies = check_strategies(plan_options.strategies)
+    axes = data_axes(mesh, plan_options.axis)
+    if "hsdp" in strategies and len(axes) < 2 and not set(strategies) - {"hsdp", "replicate"}:
+        raise ValueError(f"strategy 'hsdp' needs two or more data-parallel mesh axes (sharded inside the last, "
+                         f"replicated across the others); this mesh's are {list(axes)}, so every parameter would "
+                         f"be replicated. Use a 2-D mesh, e.g. jax.make_mesh((2, 4), ('node', 'data')), or "
+                         f"strategies=('zero3',)")
+    if plan_options.verify not in (True, False, "figures", "full"):
+        raise ValueError(f"verify must be True or 'figures' (compile the chosen plan for XLA's figures), 'full' "
+                         f"(compile the step training then runs) or False (trust the model), "
+                         f"got {plan_options.verify!r}")
+    check_segment_gain(plan_options.segment_gain)
+    return plan_options
+
+
+def _timed(plan: Plan, start: float, before: tuple) -> Plan:
+    """``plan`` with the whole planning's seconds, compiles and probe-store reads since ``before``."""
+    n0, s0, r0 = before
+    return dataclasses.replace(plan, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
                                compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
+
+
+def _probe_together(problems, one, plan_options: PlanOptions, counts, calibrator, axes, batches, budget,
+                    policies) -> Plan | None:
+    """The problems' probes compiled in one batch on the compile threads (each problem's calibrate
+    then finds its own kept). Where every parameter replicated at the largest batch size is the
+    fastest plan the model can give (:func:`_replication_may_be_fastest`), its probe comes first,
+    the batch ends once XLA's peak of it fits, and that plan is returned; else None."""
+    problem = problems[0]
+    first = _replication_may_be_fastest(problem, plan_options, counts, calibrator, axes)
+    if not (first or (len(problems) > 1 and plan_options.loss_fn is not None and 1 in counts
+                      and hasattr(calibrator, "compile_all"))):
+        return None
+    top, fits, replicated = max(batches), [], dataclasses.replace(problem, units={}).replicated_only()
+
+    def stop(job, figures) -> bool:  # passed only with ``first``
+        if job[0] is replicated:
+            fits.append(figures[0].peak_bytes <= budget)
+        return any(fits)
+
+    ddp_probe = [(replicated, probe_requests(replicated, {top: batches[top]})[1])] if first else []
+    calibrator.compile_all(ddp_probe + [(p, probe_requests(p, batches, plan_options.measure_time, policies)[1])
+                                        for p in problems], _progress, stop if first else None)
+    if not any(fits):
+        return None
+    log.info("every parameter replicated at batch size %d fits: the fastest plan by the model, so no other layout "
+             "was probed", top)
+    return one(replicated, batches={top: batches[top]})
 
 
 def _replication_may_be_fastest(problem: Problem, plan_options: PlanOptions, counts, calibrator, axes) -> bool:
@@ -322,9 +341,7 @@ def _fastest(runs, plan_options: PlanOptions) -> Plan:
     as the next unverified one (verification only lowers a plan's budget, so it never makes a
     plan faster): one verification compile, not one per run. A run whose plan
     misses by XLA and would re-plan below the next draft's predicted speed yields to it at once
-    (``verify(floor=)``), and is finished only if no other run fits (the ViT's first unit budget
-    in ``experiments/benchmarks/foreign_models.py``: 7 compiles, where finishing the missed plan
-    without units first took 8)."""
+    (``verify(floor=)``), and is finished only if no other run fits."""
     if len(runs) == 1:
         return runs[0](plan_options=plan_options)
     speed = functools.partial(_speed, gain=plan_options.segment_gain)
@@ -565,7 +582,7 @@ class _ProblemPlanning:
 
     def _peak_function(self):
         """A plan's XLA peak bytes: by default compiled as the probes are (``runtime.step.PROBE_ONLY_CPU``:
-        on XLA:CPU within 1 KiB of temp of the default compile), not the optimised executable, which
+        on XLA:CPU within ``PROBE_TOLERANCE`` of the default compile), not the optimised executable, which
         make_train_step compiles; with ``verify="full"`` the optimised one, checked as a probe first
         near the budget (a plan over it is not compiled in full)."""
         loss_fn, optimizer, abstract, batches, mesh = (self.plan_options.loss_fn, self.optimizer, self.abstract,
@@ -659,7 +676,7 @@ def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:
     shrink their gathered bytes by under ``STEP_SPLIT_SHARE`` of the budget, ``problem`` with those
     kernels never split: what such a split saves, ``tau (1 - 1/k) p`` bytes of temp (``_cost``,
     tau at most zeta, about 2), is under twice that share, and calibrating it costs the
-    SPLIT_STEP probe, one compile of about ten (bert-mini's MLM dense kernel: 14 KiB of 4 MiB)."""
+    SPLIT_STEP probe, one compile more."""
     kernels = step_split_probe(problem)
     most = step_split_bytes(problem)
     if not kernels or most >= STEP_SPLIT_SHARE * budget:

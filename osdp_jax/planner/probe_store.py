@@ -2,8 +2,8 @@
 another budget, ``compare`` after ``plan``) neither traces nor compiles a probe it has seen.
 
 JAX's persistent compilation cache (``enable_compilation_cache``) saves a probe's compile, but
-not its trace and lowering, which is most of a probe on a small model (gpt2-mini: about 0.5 s of
-Python each, 10 probes). A probe's figures are a few numbers (:class:`~osdp_jax.core.xla.StepProfile`),
+not its trace and lowering, which is most of a probe on a small model. A probe's figures are a few
+numbers (:class:`~osdp_jax.core.xla.StepProfile`),
 so they are kept whole: one JSON file per probe, named by a SHA-256 digest of
 
 - the in-process probe cache's key (``XlaCalibrator._key``): the loss's fingerprint (a digest of

@@ -333,9 +333,8 @@ def _kept(fn):
     """``fn`` (a pure function of arrays and numbers) with its results kept by the arguments'
     contents, the newest :data:`KEEP` of them within :data:`KEEP_BYTES` of arrays: planning
     again at the same budget (a budget sweep's draft, then its verified plan; ``plan()`` re-run)
-    repeats its searches, 0.1 s of each on gpt2-48l-1536. A seven-budget sweep of that model
-    makes about 220 ``lower_bound`` and 70 ``fastest_front`` searches (6 MiB of fronts), all
-    kept. The arrays are copied before the call, so a result holds none a caller may change."""
+    repeats its searches. The arrays are copied before the call, so a result holds none a caller
+    may change."""
     kept: collections.OrderedDict = collections.OrderedDict()  # key -> (result, its bytes)
     held = [0]  # bytes of the kept results
 

@@ -19,9 +19,8 @@ The exact search (``_search.solve_pools``) groups identical items and enumerates
 take each choice, so the optimum is exact over per-layer counts.
 
 The unit is a *pair* of layers when L is even: a segment of one layer is a loop of one iteration,
-which XLA removes, and the layer's memory is then no longer bounded by the loop (measured on
-gpt2-48l-1536 at batch 64: the same plan cut 47 + 1 peaks 1.06 GiB above the uniform plan, cut
-46 + 2 at the same 7.05 GiB). With pairs every count, hence every cut, is even. A stack of fewer
+which XLA removes, and the layer's memory is then no longer bounded by the loop. With pairs every
+count, hence every cut, is even. A stack of fewer
 than 4 layers is one item (one segment); an odd L of 5 or more keeps single layers (and the
 compiled check catches what a one-layer segment costs). :func:`segments` then orders each
 parameter's layers so that the stack is cut into as few contiguous segments as it can find

@@ -5,9 +5,8 @@ times), under a budget lowered by the model's error, and with what the misses ta
 
 - a miss with no earlier attempt at its batch size to compare with lowers the budget by
   :data:`LIKE` times its error e (bytes), as an error shared by every plan: errors within that
-  factor of each other are taken for one (the next plan's error is another draw of it: on
-  gpt2_48l_1536 the plans near 11.18 GiB missed by 0.04, then 0.06 GiB; lowered by the error
-  alone, the third attempt missed by 0.02 GiB and verification gave up on a probe's layout).
+  factor of each other are taken for one (the next plan's error is another draw of it; lowered
+  by the error alone, the next plan near the budget tends to miss again by a little).
   When no plan fits under that, the budget is lowered by e alone (a large error, such as a
   wrong pool overlap's 7%, doubled can leave nothing but a probe's layout);
 - a later miss of error e_b, compared with the earlier attempt a of the same batch size that

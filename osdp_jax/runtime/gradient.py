@@ -478,7 +478,12 @@ def value_and_grad(loss_fn, plan, mesh, *, has_aux: bool = False, aux: str = "me
         takes ``state=`` and returns ``(loss, new_state)`` (``(loss, (aux, new_state))`` with ``has_aux``).
       plan: the :class:`osdp_jax.Plan` (or :class:`osdp_jax.Layout`) the parameters were placed with.
       mesh: the mesh the plan was made for.
-      has_aux, aux, rng, state: as for :func:`osdp_jax.make_train_step`.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``, as for :func:`osdp_jax.make_train_step`.
+      aux: how aux leaves are combined over the devices: ``"mean"`` or ``"gather"``.
+      rng: the returned function takes a PRNG key after the batch (and the state); ``loss_fn`` gets
+        it as ``rng=``, folded with the device's data-parallel index.
+      state: the returned function takes mutable collections after the batch; ``loss_fn`` takes
+        ``state=`` and returns the new state as well.
       microbatches: gradient accumulation over this many microbatches per device; default: the
         plan's ``microbatches``.
 

@@ -17,14 +17,11 @@ kernels arrange the dependencies so that memory is held only where it is used:
   every shard, a local reshape, so the kernel keeps its shape and storage ``PartitionSpec`` for
   every k; needs ``D % (N k) == 0``. With k = 1 the kernel is gathered whole, after its input.
   The input split's zero-initialised accumulator is made once x is (:func:`after`): made at the
-  top of the step, it held an output-sized buffer through the forward pass (on gpt2_48l_1536 at
-  batch 128 a split LM head then needed 0.8 GiB more than an unsplit one; now 0.02 GiB less).
+  top of the step, it would hold an output-sized buffer through the forward pass.
   Only each slice's product is checkpointed, not the running sum it is added to, so no slice's
   loop input is kept for the backward pass; and the result is named ``_stack.SPLIT_NAME``, which
   the "dots" remat policy keeps as it keeps an unsplit matmul's output. (With the sum inside the
-  checkpoint, a layer under "dots" kept k output-sized sums: gpt2_48l_1536's plan at 12 GB with
-  its first 8 layers' MLP kernels split needed 12.85, 16.05 and 22.80 GiB at k = 2, 4, 8 against
-  11.21 unsplit; now 11.20, 11.14 and 11.13.)
+  checkpoint, a layer under "dots" would keep k output-sized sums.)
 - :func:`lookup`: an embedding lookup whose table-sized gradient buffer (V x D bytes) is made from
   the cotangent, when the backward pass reaches it, rather than at the top of the step.
 """

@@ -459,13 +459,12 @@ def compile_many(steps, threads: int, early=lambda: False):
     """:func:`compile_counted` for each ``(loss_fn, optimizer, params, batch, mesh, plan,
     figures_only)`` of ``steps``, yielding ``(index, (compiled, FLOPs XLA leaves out))`` as each is
     done. Each step is traced and lowered in this thread, in order, while up to ``threads`` worker
-    threads compile those already lowered (XLA compiles outside Python's lock: on 2 cores, 12
-    probes of gpt2-mini took 30% less time pipelined so). While ``early()`` is true, a step
+    threads compile those already lowered (XLA compiles outside Python's lock, so tracing and
+    compiling overlap). While ``early()`` is true, a step
     compiled while later ones are traced is yielded then, so that the caller may stop early
     (close the generator): steps not yet compiling are dropped, and those compiling are finished,
     counted and kept. Otherwise the figures are read after the last trace, off the tracing
-    thread's critical path (opt_mini's cold plan took about 10% longer with every step yielded
-    early)."""
+    thread's critical path."""
     steps = list(steps)
     if threads <= 1 or len(steps) < 2:
         for i, step in enumerate(steps):

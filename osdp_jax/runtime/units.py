@@ -15,11 +15,10 @@ checkpointing); :func:`policy` gives the others.
 
 XLA:CPU drops optimization barriers before it eliminates common subexpressions, so in straight-line
 code the backward gather would merge with the forward one and the weights would stay alive
-through the step (``experiments/benchmarks/units_memory.py``: 8 units of 4 MiB, 32.0 MiB of temp). The unit therefore
-runs inside a
-``lax.cond`` whose predicate is always true (the device index is at least 0) but which XLA cannot
-fold: a conditional's branches are separate computations, so nothing is hoisted out of them or
-merged across them (the same 8 units: 8.2 MiB). For a unit of p bytes over N devices on a
+through the step. The unit therefore runs inside a ``lax.cond`` whose predicate is always true
+(the device index is at least 0) but which XLA cannot fold: a conditional's branches are separate
+computations, so nothing is hoisted out of them or merged across them
+(``experiments/benchmarks/units_memory.py`` measures both). For a unit of p bytes over N devices on a
 ring of W bytes/s: 2 all-gathers and 1 reduce-scatter, 3 (N-1)/N p / W seconds per call, against
 2 (N-1)/N p / W for a weight gathered once per step and kept.
 
@@ -60,9 +59,7 @@ def policy(remat: str):
     (the forward pass runs again), ``"dots"`` the outputs of matmuls without batch dimensions,
     ``"none"`` everything but the gathered weights. ``"none"`` keeps every block's element-wise
     intermediates, which XLA cannot fuse into the backward pass across the unit's conditional
-    (``experiments/benchmarks/units_memory.py``, an unrolled 8-block einsum transformer at 2
-    sequences of 64 tokens per device: temp 31.5 MiB, against 15.3 with ``"dots"``, 9.3 with
-    ``"full"`` and 41.6 without units)."""
+    (``experiments/benchmarks/units_memory.py`` measures each policy)."""
     return remat_policy(remat)
 
 
