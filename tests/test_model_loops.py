@@ -60,6 +60,20 @@ def test_the_planner_plans_an_nn_scan_stack_per_layer(mesh):
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
 
+def test_the_models_own_remat_is_kept_under_every_plan_policy(mesh):
+    """Under ``nn.remat`` (nothing saveable) the body keeps nothing whatever the segment's policy:
+    its peak under "none" is the "full" one, and under the peak of the same model without
+    ``nn.remat`` under "none"."""
+    opt, temps = optax.adam(1e-3), {}
+    for remat in (False, True):
+        params, loss_fn, batch = foreign.linen_scanned(remat=remat)
+        loops = osdp_jax.model_loops(loss_fn, params, batch)
+        for policy in ("none", "full"):
+            layout = osdp_jax.Layout.fsdp(params, mesh, model_loop=loops, remat=policy)
+            temps[remat, policy] = osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).temp_bytes
+    assert temps[True, "none"] == temps[True, "full"] == temps[False, "full"] < temps[False, "none"]
+
+
 def test_a_model_loop_the_model_does_not_scan_is_one_clear_error(mesh):
     """A layout that marks a stack model_loop for a model that casts it before its scan (so no
     scan gets the parameter itself) raises a ValueError naming it, not a silent whole gather."""

@@ -9,13 +9,13 @@ and ``nnx.scan`` do, for parameters scanned along axis 0), the scan runs as
 own scan over this device's arrays, whose body
 
 - gathers its layer's slice of each sharded parameter (``runtime.stack.StackView.layer``), and
-- runs the model's body under ``jax.checkpoint`` with the segment's remat policy; a gathered
-  weight is never saved for the backward pass, under any policy.
+- runs the model's body under ``jax.checkpoint`` with the segment's remat policy, narrowed to what
+  the model's own remat around the body (``nn.remat``, ``jax.checkpoint``) saves, if it has one;
+  a gathered weight is never saved for the backward pass, under any policy.
 
 So one layer's gathered weights are alive at a time, and the backward pass gathers each slice
-again and reduce-scatters its gradient. The model's own remat inside the body (``nn.remat``,
-``jax.checkpoint``) runs inside the segment's; under the segment's ``"full"`` policy nothing of the
-body is saved, whatever the model's policy. The placeholder's own gather is then unused, and XLA
+again and reduce-scatters its gradient, and a plan never keeps more of the body than the model's
+own remat allows. The placeholder's own gather is then unused, and XLA
 removes it. A placeholder the model uses anywhere else (cast or sliced before the loop, read
 outside it) is a correct whole gather, once per step; ``runtime.gradient`` raises when a sharded
 one never reaches a scan.
@@ -83,7 +83,7 @@ def _scan(original, ctx, f, init, xs, length=None, reverse=False, unroll=1, **kw
     _check_segments(views.values(), first)
     ctx.loop_used.update(v.path for v in views.values())
     order = range(len(first.runs))
-    carry, ys = init, [None] * len(first.runs)
+    carry, ys, own = init, [None] * len(first.runs), _UNSEEN
     for j in reversed(order) if reverse else order:
         run = first.runs[j]
         part = [views[i].parts[j] if i in views else leaf[run.start:run.stop] for i, leaf in enumerate(leaves)]
@@ -93,12 +93,52 @@ def _scan(original, ctx, f, init, xs, length=None, reverse=False, unroll=1, **kw
             used = [views[i].layer(j, p) if i in views else p for i, p in enumerate(sliced)]
             return f(c, jax.tree.unflatten(treedef, used))
 
-        body = jax.checkpoint(body, policy=remat_policy(run.remat), prevent_cse=False)
+        if own is _UNSEEN:
+            own = _own_policy(body, carry, jax.tree.unflatten(treedef, part))
+        body = jax.checkpoint(body, policy=_both(remat_policy(run.remat), own), prevent_cse=False)
         carry, ys[j] = original(body, carry, jax.tree.unflatten(treedef, part), reverse=reverse, unroll=unroll,
                                 **kwargs)
     if len(ys) == 1:
         return carry, ys[0]
     return carry, jax.tree.map(lambda *y: jnp.concatenate(y, axis=0), *ys)
+
+
+_UNSEEN = object()
+_NO_REMAT = object()  # the model's body has no remat of its own
+
+
+def _own_policy(body, carry, xs):
+    """The policy of the model's own remat around its scan body (``nn.remat``, ``jax.checkpoint``):
+    the first ``checkpoint`` equation of the body traced on one iteration's slices, at its top
+    level or inside ``jit``; None for its default (nothing saveable); ``_NO_REMAT`` without one."""
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), xs)
+    closed = jax.make_jaxpr(body)(carry, one)
+
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("checkpoint", "remat", "remat2"):
+                return eqn.params.get("policy")
+            inner = eqn.params.get("jaxpr")
+            inner = getattr(inner, "jaxpr", inner)
+            if eqn.primitive.name in ("pjit", "jit", "closed_call") and inner is not None:
+                found = find(inner)
+                if found is not _NO_REMAT:
+                    return found
+        return _NO_REMAT
+    return find(closed.jaxpr)
+
+
+def _both(policy, own):
+    """``policy`` (the segment's), saving only what the model's own remat policy ``own`` saves too,
+    so a plan never keeps more of the body than the model's remat allows."""
+    if own is _NO_REMAT:
+        return policy
+    if own is None:
+        return jax.checkpoint_policies.nothing_saveable
+
+    def saveable(prim, *args, **params):
+        return policy(prim, *args, **params) and own(prim, *args, **params)
+    return saveable
 
 
 def _check_segments(views, first: StackView) -> None:
