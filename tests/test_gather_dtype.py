@@ -67,7 +67,7 @@ def test_compute_dtype_plan_predicted_within_10_percent_and_gathers_half_the_byt
               remat=("full",), strategies=("zero3",), hardware=link)
     half = osdp_jax.plan(params, mesh, budget="4GB", compute_dtype="bfloat16", **kw)
     assert {pp.gather_dtype for pp in half.params if pp.strategy == "zero3"} == {"bfloat16"}
-    assert abs(half.predicted_peak_bytes - half.xla_peak_bytes) <= 0.10 * half.xla_peak_bytes, half.summary()
+    assert abs(half.predicted_peak_bytes - half.xla_peak_bytes) <= 0.05 * half.xla_peak_bytes, half.summary()
     full = osdp_jax.plan(params, mesh, budget="4GB", **kw)
     assert half.predicted_collective_seconds == pytest.approx(0.5 * full.predicted_collective_seconds, rel=1e-6)
     assert osdp_jax.Plan.from_json(half.to_json()).layout == half.layout

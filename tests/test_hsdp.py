@@ -117,7 +117,7 @@ def test_slow_inter_node_link_picks_hsdp(mesh2d):
     # a 100 MB/s link between the nodes: shard inside the node, all-reduce 1/4 across nodes
     assert {by_path(slow)[p] for p in big} == {"hsdp"}
     assert slow.xla_peak_bytes <= slow.budget_bytes
-    assert abs(slow.predicted_peak_bytes - slow.xla_peak_bytes) <= 0.10 * slow.xla_peak_bytes
+    assert abs(slow.predicted_peak_bytes - slow.xla_peak_bytes) <= 0.05 * slow.xla_peak_bytes
     # FSDP on the slow link gathers its large weights in two stages, the node first (small
     # ones stay in one ring: two stages pay two latencies)
     fsdp = osdp_jax.plan(params, mesh2d, hardware=_hardware(1e8), strategies=("zero3",), **kw)

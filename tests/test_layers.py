@@ -371,7 +371,6 @@ def test_per_step_splits_are_searched_only_where_they_can_matter(monkeypatch, ca
         assert probed or head.split == 1
     assert params["lm_head"]["kernel"].shape == (64, 16)
     monkeypatch.undo()
-    assert _planner.STEP_SPLIT_SHARE == 0.01
 
 
 def test_remat_is_searched_per_layer_and_recorded_in_the_plan():
@@ -405,7 +404,10 @@ def test_remat_memory_predicted_against_xla_within_10_percent():
         peaks[policy] = p.xla_peak_bytes
     assert peaks["full"] < peaks["dots"] < peaks["none"]
     mixed = plan(int((peaks["full"] + peaks["none"]) / 2), osdp_jax.layers.REMAT_POLICIES)
-    assert abs(mixed.predicted_peak_bytes - mixed.xla_peak_bytes) <= 0.10 * mixed.xla_peak_bytes, mixed.summary()
+    # a stack replicated under "dots"/"none" is over-predicted (docs/limitations.md: its saved
+    # activations are charged on top of its replicated gradients, which XLA overlaps): 10%, not 5%
+    error = (mixed.predicted_peak_bytes - mixed.xla_peak_bytes) / mixed.xla_peak_bytes
+    assert -0.05 <= error <= 0.10, mixed.summary()
     assert mixed.xla_peak_bytes <= mixed.budget_bytes
     # every probe was compiled by an earlier plan: in-process cache, only verification compiles
     assert mixed.compiles <= 2 < compiles[0], (compiles, mixed.compiles)

@@ -104,7 +104,7 @@ def test_the_search_chooses_where_each_gradient_is_summed(mesh, strategy, budget
                                                pp.accumulate) for pp in plan.params if pp.strategy == strategy}
     assert summed == {"shard", "whole"}, plan.summary()
     assert plan.xla_peak_bytes <= budget
-    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, plan.summary()
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.05 * plan.xla_peak_bytes, plan.summary()
     assert ("kept across microbatches" if strategy == "zero3" else "grad summed whole") in plan.summary()
     assert osdp_jax.Plan.from_json(plan.to_json()).layout == plan.layout
 
@@ -159,7 +159,7 @@ def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh
     plan = osdp_jax.plan(params, mesh, budget=budget, microbatches=(1, 4), verify="full", **kw)
     assert plan.batch_size == 128 and plan.microbatches > 1, plan.summary()
     assert plan.xla_peak_bytes <= budget
-    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, plan.summary()
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.05 * plan.xla_peak_bytes, plan.summary()
     assert "microbatches" in plan.summary()
     again = osdp_jax.Plan.from_json(plan.to_json())
     assert again.microbatches == plan.microbatches

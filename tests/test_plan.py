@@ -13,9 +13,9 @@ from osdp_jax.planner import pipeline as _planner
 
 
 def check_prediction(plan):
-    """Every plan made with a loss_fn: XLA's peak within budget, prediction within 10% of it."""
+    """Every plan made with a loss_fn: XLA's peak within budget, prediction within 5% of it (the documented target)."""
     assert plan.xla_peak_bytes <= plan.budget_bytes
-    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.10 * plan.xla_peak_bytes, (
+    assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.05 * plan.xla_peak_bytes, (
         plan.predicted_peak_bytes, plan.xla_peak_bytes)
 
 
@@ -79,7 +79,7 @@ def test_below_all_zero3_peak_is_infeasible_with_minimum(mesh, setup):
     err = info.value
     assert isinstance(err, ValueError)
     assert str(err.min_bytes) in str(err)
-    assert abs(err.min_bytes - fsdp.xla_peak_bytes) <= 0.10 * fsdp.xla_peak_bytes
+    assert abs(err.min_bytes - fsdp.xla_peak_bytes) <= 0.05 * fsdp.xla_peak_bytes
     # the reported minimum is a budget that does plan
     plan = osdp_jax.plan(params, mesh, budget=int(err.min_bytes * 1.05), **kw)
     check_prediction(plan)

@@ -10,6 +10,7 @@ and ``compile_step`` take either.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -243,41 +244,9 @@ class Layout:
         if stacked_units:
             raise ValueError(f"parameter {stacked_units[0]!r} is layer-stacked (gathered per layer by "
                              f"osdp_jax.layers.scan): it cannot also be gathered at a unit")
-        params_ = []
-        for i in infos:
-            segs = tuple(segments.get(i.path, ()))
-            spec = whole_spec(segs) if segs else specs.get(i.path, P())
-            for one in (*(s.spec for s in segs), spec):
-                dim = sharded_dim(one)
-                if dim is not None and i.shape[dim] % axes_size(mesh, collective(one, axes).axes):
-                    raise ValueError(f"parameter {i.path!r} {i.shape} cannot be stored as {one}: its dimension "
-                                     f"{dim} is not divisible by the devices it is sharded over")
-            strategy, k, staged = _strategy_of(spec, axes), splits.get(i.path, 1), i.path in set(two_stage)
-            if i.path in zero2:
-                if strategy != "replicate" or segs:
-                    raise ValueError(f"parameter {i.path!r} is zero2, so it is stored whole: give it no spec "
-                                     f"(it is {spec}) and no segments (a segment takes strategy 'zero2' itself)")
-                state_spec_for(i.shape, "zero2", P(), axes, axes_size(mesh, axes), i.path in in_loop)
-                strategy = "zero2"
-            for seg in segs:
-                if seg.strategy == "zero2":
-                    state_spec_for((seg.layers, *i.shape[1:]), "zero2", seg.spec, axes, axes_size(mesh, axes), True)
-            if i.path in model_loop and k > 1:
-                raise ValueError(f"parameter {i.path!r} is model_loop (sliced by the model's own scan): it is "
-                                 f"gathered whole per layer, not split; give it no split")
-            if i.path in in_loop:
-                if len(i.shape) < 2:
-                    raise ValueError(f"parameter {i.path!r} {i.shape} cannot be gathered per layer: a stacked "
-                                     f"parameter has a layer axis and at least one more")
-                segs = segs or one_segment(i.shape[0], spec, strategy, k, staged, remat)
-                check_segments(i.path, segs, i.shape[0])
-            sharded = any(sharded_dim(x.spec) is not None for x in segs) or sharded_dim(spec) is not None
-            acc = accumulate.get(i.path, "")
-            if acc:
-                _check_accumulate(i.path, strategy, acc, i.path in in_loop, i.path in units, k)
-            params_.append(ParamLayout(i.path, spec, strategy, i.path in in_loop, k, staged,
-                                       i.path in set(dense), segs, units.get(i.path, ""),
-                                       gather_dtype if sharded else "", acc, i.path in model_loop))
+        named = _Named(specs, splits, segments, in_loop, units, accumulate, zero2, model_loop, set(two_stage),
+                       set(dense))
+        params_ = [_param_layout(i, named, mesh, axes, remat, gather_dtype) for i in infos]
         return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat))
 
     @classmethod
@@ -302,6 +271,59 @@ class Layout:
             specs[i.path] = spec if spec is not None else P()
         return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat,
                               units=units, unit_remat=unit_remat, gather_dtype=gather_dtype, model_loop=model_loop)
+
+
+class _Named(NamedTuple):
+    """What :meth:`Layout.from_specs` was given, by parameter path."""
+
+    specs: dict
+    splits: dict
+    segments: dict
+    in_loop: set
+    units: dict
+    accumulate: dict
+    zero2: set
+    model_loop: set
+    two_stage: set
+    dense: set
+
+
+def _param_layout(i, named: _Named, mesh, axes, remat: str, gather_dtype: str) -> ParamLayout:
+    """One parameter's :class:`ParamLayout` as ``named`` gives it, checked (one ``ValueError``
+    naming the parameter and the problem)."""
+    segs = tuple(named.segments.get(i.path, ()))
+    spec = whole_spec(segs) if segs else named.specs.get(i.path, P())
+    for one in (*(s.spec for s in segs), spec):
+        dim = sharded_dim(one)
+        if dim is not None and i.shape[dim] % axes_size(mesh, collective(one, axes).axes):
+            raise ValueError(f"parameter {i.path!r} {i.shape} cannot be stored as {one}: its dimension "
+                             f"{dim} is not divisible by the devices it is sharded over")
+    strategy, k, staged = _strategy_of(spec, axes), named.splits.get(i.path, 1), i.path in named.two_stage
+    in_loop, n = i.path in named.in_loop, axes_size(mesh, axes)
+    if i.path in named.zero2:
+        if strategy != "replicate" or segs:
+            raise ValueError(f"parameter {i.path!r} is zero2, so it is stored whole: give it no spec "
+                             f"(it is {spec}) and no segments (a segment takes strategy 'zero2' itself)")
+        state_spec_for(i.shape, "zero2", P(), axes, n, in_loop)
+        strategy = "zero2"
+    for seg in segs:
+        if seg.strategy == "zero2":
+            state_spec_for((seg.layers, *i.shape[1:]), "zero2", seg.spec, axes, n, True)
+    if i.path in named.model_loop and k > 1:
+        raise ValueError(f"parameter {i.path!r} is model_loop (sliced by the model's own scan): it is "
+                         f"gathered whole per layer, not split; give it no split")
+    if in_loop:
+        if len(i.shape) < 2:
+            raise ValueError(f"parameter {i.path!r} {i.shape} cannot be gathered per layer: a stacked "
+                             f"parameter has a layer axis and at least one more")
+        segs = segs or one_segment(i.shape[0], spec, strategy, k, staged, remat)
+        check_segments(i.path, segs, i.shape[0])
+    sharded = any(sharded_dim(x.spec) is not None for x in segs) or sharded_dim(spec) is not None
+    acc = named.accumulate.get(i.path, "")
+    if acc:
+        _check_accumulate(i.path, strategy, acc, in_loop, i.path in named.units, k)
+    return ParamLayout(i.path, spec, strategy, in_loop, k, staged, i.path in named.dense, segs,
+                       named.units.get(i.path, ""), gather_dtype if sharded else "", acc, i.path in named.model_loop)
 
 
 def _check_accumulate(path: str, strategy: str, accumulate: str, in_loop: bool, unit: bool, split: int) -> None:

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -393,24 +394,10 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     pools = np.zeros((len(infos), len(columns), 2))
     time = np.full_like(mem, np.inf)
     two_stage = np.zeros(mem.shape, dtype=bool)
+    sizes = _Sizes(p, o, layers, unit, saves, (p if saving is None else saving) * np.where(unit, unit_scale, 1.0))
     for s, (name, k, *_) in enumerate(columns):  # a column's accumulate matters with microbatches only
         ok = available[:, s]
-        top, per_layer = ok & ~loop, ok & loop
-        if name == "replicate":
-            mem[ok, s] = (p + o)[ok]
-            mem[top, s] += p[top]  # R_T: the replicated gradient, held to the update
-            pools[top, s, 0] = RHO * p[top]
-        elif name == "zero2":
-            mem[ok, s] = (p + o / n)[ok]
-            mem[top, s] += cal.xi * p[top]
-        else:
-            mem[ok, s] = ((p + o) / (n if name == "zero3" else topo.inner))[ok]
-            w = (p if saving is None else saving) * np.where(unit, unit_scale, 1.0)
-            mem[per_layer & saves, s] -= cal.kappa * w[per_layer & saves]
-            mem[per_layer & ~saves, s] -= unit_scale * cal.last_saving * p[per_layer & ~saves]
-            pools[top, s, 1] = np.maximum(0.0, cal.zeta - cal.step_split_saving * (1 - 1 / k)) * p[top]
-            if k > 1:
-                mem[per_layer, s] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(layers, 1))[per_layer]
+        _column_memory(mem[:, s], pools[:, s], name, k, ok, sizes, cal, n, topo.inner, unit_scale)
         for i in np.flatnonzero(ok):
             moved = p[i] * (gather_ratio[i] if gather_ratio is not None and name in GATHERED else 1.0)
             flat = comm_seconds(moved, name, hw, topo, int(layers[i]), k)
@@ -428,3 +415,38 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     mem -= shift[:, None]
     return CostTables(columns, time, mem, pools, float(base_mem + shift.sum()),
                       cal.compute_scale * r.flops / hw.flops if calibration is not None else 0.0, two_stage)
+
+
+class _Sizes(NamedTuple):
+    """Per parameter: bytes, optimizer-state bytes, layers gathered per layer (0: per step), at a
+    unit, not the last unit's, and the bytes the kappa term counts (scaled for units)."""
+
+    p: np.ndarray
+    o: np.ndarray
+    layers: np.ndarray
+    unit: np.ndarray
+    saves: np.ndarray
+    kappa_bytes: np.ndarray
+
+
+def _column_memory(mem, pools, name: str, k: int, ok, sizes: _Sizes, cal, n: int, inner: int,
+                   unit_scale: float) -> None:
+    """Fill one column of the memory table and its two pools (``pools[:, 0]`` R, ``[:, 1]`` Z) for
+    the parameters ``ok`` can take strategy ``name`` split in ``k`` (module docstring's terms)."""
+    p, o, loop, saves = sizes.p, sizes.o, sizes.layers > 0, sizes.saves
+    top, per_layer = ok & ~loop, ok & loop
+    if name == "replicate":
+        mem[ok] = (p + o)[ok]
+        mem[top] += p[top]  # R_T: the replicated gradient, held to the update
+        pools[top, 0] = RHO * p[top]
+    elif name == "zero2":
+        mem[ok] = (p + o / n)[ok]
+        mem[top] += cal.xi * p[top]
+    else:
+        mem[ok] = ((p + o) / (n if name == "zero3" else inner))[ok]
+        w = sizes.kappa_bytes
+        mem[per_layer & saves] -= cal.kappa * w[per_layer & saves]
+        mem[per_layer & ~saves] -= unit_scale * cal.last_saving * p[per_layer & ~saves]
+        pools[top, 1] = np.maximum(0.0, cal.zeta - cal.step_split_saving * (1 - 1 / k)) * p[top]
+        if k > 1:
+            mem[per_layer] -= cal.sigma * (1 - 1 / k) * (p / np.maximum(sizes.layers, 1))[per_layer]

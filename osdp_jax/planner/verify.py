@@ -35,6 +35,7 @@ from typing import Callable
 import numpy as np
 
 from osdp_jax.core.bytes import format_bytes
+from osdp_jax.core.plan import Plan
 from osdp_jax.planner.search import InfeasibleBudgetError
 
 log = logging.getLogger("osdp_jax")
@@ -115,8 +116,17 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
       InfeasibleBudgetError: nothing fits by XLA; ``min_bytes`` is the smallest XLA peak measured
         (the least-memory plan's or a probe's).
     """
-    best, attempts, lessons, carried = first, [], [], shared
-    for attempt in range(MAX_TRIES if first is not None else 0):
+    plan = _search_until_it_fits(first, budget, search, build, xla_peak, known, floor, shared, errors)
+    return plan if plan is not None else _fall_back(budget, least_memory, build, xla_peak, known)
+
+
+def _search_until_it_fits(best, budget: int, search: Callable, build: Callable, xla_peak: Callable, known,
+                          floor, shared: float, errors) -> Plan | None:
+    """``best`` compiled, and, while XLA's peak is over the budget, the search's next choice under
+    a budget lowered by the error (or with the error charged to what changed: a :class:`Lesson`),
+    at most :data:`MAX_TRIES` times; the first that fits, with its peak, or None."""
+    attempts, lessons, carried = [], [], shared
+    for attempt in range(MAX_TRIES if best is not None else 0):
         plan = build(best)
         measured = next((peak for c, peak in known if _same(c, best)), None)  # a probe's layout: compiled
         measured = xla_peak(plan) if measured is None else measured
@@ -146,7 +156,14 @@ def verify(first, budget: int, search: Callable, least_memory: Callable, build: 
         if floor is not None and (best is None or best[0] < floor):
             raise Superseded(f"re-planning under {format_bytes(budget - margin)} is predicted slower than {floor:.4g}")
         if best is None:
-            break
+            return None
+    return None
+
+
+def _fall_back(budget: int, least_memory: Callable, build: Callable, xla_peak: Callable, known):
+    """When no searched plan fits: the least-memory candidate if it is predicted faster than the
+    fastest compiled probe that fits and fits itself, else that probe; else
+    ``InfeasibleBudgetError`` with the smallest XLA peak measured."""
     fits = [(c, peak) for c, peak in known if peak <= budget]
     best_known = max(fits, key=lambda cp: cp[0][0]) if fits else None
     peaks = [peak for _, peak in known]
