@@ -248,11 +248,12 @@ def test_budget_sweep_mini(tmp_path):
 
 
 def test_the_main_job_learns(tmp_path):
-    """The README's main job, cut to 200 of its 600 steps: GPT-2 mini learns 2-digit addition. Its
-    loss falls below a quarter of the first step's and over half of the held-out sums come out
-    right (at 600 steps it reaches an accuracy of 1.00: docs/results.md)."""
+    """The README's main job, cut to 300 of its 600 steps: GPT-2 mini learns 2-digit addition. Its
+    loss falls under a tenth of the first step's and over 80% of the held-out sums come out right
+    (both jax 0.10.2 and 0.12 reach an accuracy of 0.984 there, and 1.00 at 600 steps:
+    docs/results.md)."""
     out = tmp_path / "run"
-    assert cli.main(["train", "experiments/gpt2_mini.toml", "--steps", "200", "--out", str(out)]) == 0
+    assert cli.main(["train", "experiments/gpt2_mini.toml", "--steps", "300", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["final_loss"] < 0.25 * summary["initial_loss"]
-    assert summary["accuracy"] > 0.5
+    assert summary["final_loss"] < 0.1 * summary["initial_loss"]
+    assert summary["accuracy"] > 0.8
