@@ -171,17 +171,25 @@ class SetupNet(nn.Module):
         return x
 
 
-def setup_mlp(layers=4, batch=16):
-    """``(params, loss_fn, batch)`` of :class:`SetupNet`, a regression on random data."""
-    net = SetupNet(layers)
+def _regression_data(batch: int, width: int) -> dict:
+    """Random ``x`` and ``y`` of ``(batch, width)``, the same for the same arguments."""
     rng = np.random.default_rng(0)
-    data = {"x": jnp.asarray(rng.normal(size=(batch, 32)), jnp.float32),
-            "y": jnp.asarray(rng.normal(size=(batch, 32)), jnp.float32)}
-    params = net.init(jax.random.key(0), data["x"])["params"]
+    return {"x": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)}
+
+
+def _linen_regression(model, data):
+    """``(params, loss_fn, data)`` of a linen model fitted to ``data["y"]`` by mean squared error."""
+    params = model.init(jax.random.key(0), data["x"])["params"]
 
     def loss_fn(p, b):
-        return ((net.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
+        return ((model.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
     return params, loss_fn, data
+
+
+def setup_mlp(layers=4, batch=16):
+    """``(params, loss_fn, batch)`` of :class:`SetupNet`, a regression on random data."""
+    return _linen_regression(SetupNet(layers), _regression_data(batch, 32))
 
 
 class VitBlock(nnx.Module):
@@ -279,9 +287,7 @@ def plain_mlp(layers=4, d=64, batch=16):
     keys = jax.random.split(jax.random.key(0), 2 * layers)
     params = {f"layer{i}": {"w1": 0.1 * jax.random.normal(keys[2 * i], (d, 2 * d)),
                             "w2": 0.1 * jax.random.normal(keys[2 * i + 1], (2 * d, d))} for i in range(layers)}
-    rng = np.random.default_rng(0)
-    data = {"x": jnp.asarray(rng.normal(size=(batch, d)), jnp.float32),
-            "y": jnp.asarray(rng.normal(size=(batch, d)), jnp.float32)}
+    data = _regression_data(batch, d)
 
     def loss_fn(p, b):
         x = b["x"]
@@ -319,20 +325,9 @@ class ResidualMlp(nn.Module):
         return x
 
 
-def _regression_data(batch: int, width: int) -> dict:
-    rng = np.random.default_rng(0)
-    return {"x": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32),
-            "y": jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)}
-
-
 def residual_mlp(depth=6, width=256, batch=64):
     """``(params, loss_fn, batch)`` of :class:`ResidualMlp`, a regression on random data."""
-    model, data = ResidualMlp(width, depth), _regression_data(batch, width)
-    params = model.init(jax.random.key(0), data["x"])["params"]
-
-    def loss_fn(p, b):
-        return ((model.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
-    return params, loss_fn, data
+    return _linen_regression(ResidualMlp(width, depth), _regression_data(batch, width))
 
 
 class NnxResidualBlock(nnx.Module):
@@ -461,13 +456,8 @@ class _StackedBlock(nn.Module):
 
 def linen_scanned(d=128, depth=6, batch=32, remat=False, stack=False):
     """``(params, loss_fn, batch)`` of :class:`LinenScanned`, a regression on random data."""
-    model, data = LinenScanned(d, depth, remat, stack), _regression_data(batch, d)
-    data["y"] = data["y"][:, :1]
-    params = model.init(jax.random.key(0), data["x"])["params"]
-
-    def loss_fn(p, b):
-        return ((model.apply({"params": p}, b["x"]) - b["y"]) ** 2).mean()
-    return params, loss_fn, data
+    data = _regression_data(batch, d)
+    return _linen_regression(LinenScanned(d, depth, remat, stack), {"x": data["x"], "y": data["y"][:, :1]})
 
 
 class NnxScanBlock(nnx.Module):

@@ -14,17 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 import osdp_jax
 
-
-def own_step(grad_fn, optimizer, s: osdp_jax.Shardings):
-    """A step as users write it: their jit, their optimizer, the params and state donated."""
-    def step(params, opt_state, batch):
-        loss, grads = grad_fn(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-    return jax.jit(step, in_shardings=(s.params, s.opt_state, s.batch), out_shardings=(s.params, s.opt_state, None),
-                   donate_argnums=(0, 1))
-
-
 MODELS = {
     "linen": lambda: foreign.residual_mlp(depth=6, width=256, batch=64),
     "nnx": lambda: foreign.nnx_residual_mlp(depth=6, width=256, batch=64),
@@ -47,7 +36,7 @@ def test_a_users_own_step_on_the_drop_in_fits_the_budget_and_trains_like_one_dev
     state = osdp_jax.init_opt_state(opt, sharded, plan, mesh)
     placed = jax.device_put(batch, s.batch)
 
-    step = osdp_jax.check_budget(own_step(osdp_jax.value_and_grad(loss_fn, plan, mesh), opt, s), plan,
+    step = osdp_jax.check_budget(toy.own_step(osdp_jax.value_and_grad(loss_fn, plan, mesh), opt, s), plan,
                                  sharded, state, placed)
     peak = osdp_jax.profile_compiled(step).peak_bytes
     assert peak <= plan.budget_bytes
@@ -59,7 +48,7 @@ def test_a_users_own_step_on_the_drop_in_fits_the_budget_and_trains_like_one_dev
     expected, _ = toy.single_device_run(params, loss_fn, opt, batch, 5)
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
-    plain = own_step(jax.value_and_grad(loss_fn), opt, s)
+    plain = toy.own_step(jax.value_and_grad(loss_fn), opt, s)
     abstract = osdp_jax.abstract_state(params, plan, mesh, opt)
     plain_peak = osdp_jax.profile_compiled(plain.lower(*abstract, placed).compile()).peak_bytes
     if plain_peak > plan.budget_bytes:
@@ -79,7 +68,7 @@ def test_make_train_step_is_the_drop_in_with_the_optimizer_applied(mesh):
     s = osdp_jax.shardings(params, layout, mesh, opt, batch)
     runs = []
     for step in (osdp_jax.make_train_step(loss_fn, opt, layout, mesh),
-                 own_step(osdp_jax.value_and_grad(loss_fn, layout, mesh), opt, s)):
+                 toy.own_step(osdp_jax.value_and_grad(loss_fn, layout, mesh), opt, s)):
         p = osdp_jax.shard(params, mesh, layout)
         o = osdp_jax.init_opt_state(opt, p, layout, mesh)
         losses = []

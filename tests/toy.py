@@ -94,6 +94,20 @@ def lm_batch(vocab_size, batch=16, seq=16, key=3, abstract=False):
     return {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1), "weights": jnp.ones((batch, seq))}
 
 
+def own_step(grad_fn, optimizer, s):
+    """A train step as users write it around ``grad_fn`` (``jax.value_and_grad`` or
+    ``osdp_jax.value_and_grad``): their jit on the plan's shardings ``s`` (``osdp_jax.Shardings``),
+    their optimizer, the params and optimizer state donated."""
+    import optax
+
+    def step(params, opt_state, batch):
+        loss, grads = grad_fn(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return jax.jit(step, in_shardings=(s.params, s.opt_state, s.batch), out_shardings=(s.params, s.opt_state, None),
+                   donate_argnums=(0, 1))
+
+
 def single_device_run(params, loss_fn, optimizer, batch, steps):
     """Losses and final params of plain single-device training, the reference for sharded runs."""
     import optax

@@ -192,9 +192,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     plan_options = dataclasses.replace(options or PlanOptions(), **kwargs)
     if isinstance(plan_options.budget, str) and plan_options.budget.strip().lower() == "least":
         return _least_memory_plan(params, mesh, plan_options)
-    plan_options = _checked(plan_options, mesh)
-    strategies, splits = check_strategies(plan_options.strategies), check_splits(plan_options.splits)
-    axes = data_axes(mesh, plan_options.axis)
+    strategies, axes = check_strategies(plan_options.strategies), data_axes(mesh, plan_options.axis)
+    plan_options = _checked(plan_options, strategies, axes)
+    splits = check_splits(plan_options.splits)
     policies = _policies(plan_options.remat)
     hw = resolve_hardware(plan_options.hardware, mesh)
     budget = parse_bytes(plan_options.budget) if plan_options.budget is not None else hw.memory_bytes
@@ -238,15 +238,13 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     return _timed(best, start, before)
 
 
-def _checked(plan_options: PlanOptions, mesh) -> PlanOptions:
-    """``plan_options`` with its loss function wrapped (``PlainLoss``), or one clear ``ValueError``
-    for an option that cannot work."""
+def _checked(plan_options: PlanOptions, strategies: tuple, axes: tuple) -> PlanOptions:
+    """``plan_options`` (with ``strategies`` and data-parallel ``axes`` already checked) with its
+    loss function wrapped (``PlainLoss``), or one clear ``ValueError`` for an option that cannot work."""
     if plan_options.loss_fn is not None:
         plan_options = dataclasses.replace(plan_options, loss_fn=PlainLoss.of(plan_options.loss_fn,
                                                                               plan_options.has_aux, plan_options.rng,
                                                                               plan_options.state))
-    strategies = check_strategies(plan_options.strategies)
-    axes = data_axes(mesh, plan_options.axis)
     if "hsdp" in strategies and len(axes) < 2 and not set(strategies) - {"hsdp", "replicate"}:
         raise ValueError(f"strategy 'hsdp' needs two or more data-parallel mesh axes (sharded inside the last, "
                          f"replicated across the others); this mesh's are {list(axes)}, so every parameter would "
