@@ -25,6 +25,7 @@ from osdp_jax.core.describe import ParamInfo, describe
 from osdp_jax.core.hardware import PRESETS, Hardware
 from osdp_jax.core.layout import Layout, ParamLayout
 from osdp_jax.core.plan import ParamPlan, Plan
+from osdp_jax.core.simulated import simulate_cpu_devices
 from osdp_jax.core.stack import Segment, Segmented
 from osdp_jax.core.xla import StepProfile, profile_compiled
 from osdp_jax.planner.budgets import plan_budgets
@@ -67,7 +68,7 @@ __all__ = [
     # XLA's figures
     "compile_step", "profile_step", "profile_compiled", "StepProfile",
     # hardware and sizes
-    "Hardware", "PRESETS", "format_bytes", "parse_bytes",
+    "Hardware", "PRESETS", "format_bytes", "parse_bytes", "simulate_cpu_devices",
     # submodules
     "hardware", "layers", "planning", "search", "split", "strategies", "units", "xla",
 ]

@@ -202,3 +202,24 @@ def stack_setup(n_layer=8, d_model=64, batch=64, seq=16, abstract=True):
     module = gpt2.GPT2(cfg)
     params = models.abstract_params(module, seq) if abstract else models.init_params(module, seq, 0)
     return module, params, models.make_loss(module), lm_batch(cfg.vocab_size, batch, seq, abstract=abstract)
+
+
+def in_a_process_with_collectives_in_order(request) -> bool:
+    """Whether the calling test ran again, and passed, in a child pytest process whose XLA:CPU runs
+    each step's collectives one at a time (``osdp_jax.core.simulated``): False where this process
+    already does. Tests whose mixed plans let XLA:CPU's default scheduler run two collectives in
+    one rendezvous (a hang and an abort) call it first; the suite's own processes keep the default
+    scheduler, whose memory figures the other tests assert."""
+    import os
+    import subprocess
+    import sys
+
+    from osdp_jax.core.simulated import ORDERED_COLLECTIVES, collectives_ordered
+    if collectives_ordered():
+        return False
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {ORDERED_COLLECTIVES}"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           "-m", "slow or not slow", request.node.nodeid],
+                          env=env, cwd=request.config.rootpath, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return True

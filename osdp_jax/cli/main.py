@@ -248,10 +248,13 @@ def _split_overrides(argv):
 
 
 def _simulate_devices(n: int):
-    """Ask for n CPU devices before JAX starts (only matters where the platform has one device)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    """Ask for n CPU devices, their collectives in order (``core.simulated``), before JAX starts
+    (only matters where the platform has one device)."""
+    from jax._src import xla_bridge
+
+    from osdp_jax.core.simulated import simulate_cpu_devices
+    if not xla_bridge.backends_are_initialized():
+        simulate_cpu_devices(n)
     import jax
     try:
         jax.config.update("jax_num_cpu_devices", n)

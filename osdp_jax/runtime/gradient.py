@@ -37,6 +37,7 @@ from osdp_jax.core.layout import (
     spec_tree,
     state_spec_tree,
 )
+from osdp_jax.core.simulated import warn_if_collectives_may_race
 from osdp_jax.core.stack import Segmented, is_segmented
 from osdp_jax.core.strategies import accumulation, axes_size, axis_entry, sharded_dim
 from osdp_jax.runtime.collectives import device_index, gather
@@ -509,6 +510,7 @@ def value_and_grad(loss_fn, plan, mesh, *, has_aux: bool = False, aux: str = "me
     options = StepOptions(has_aux, aux, rng, state,
                           microbatches=getattr(plan, "microbatches", 1) if microbatches is None else microbatches)
     gradients = build_gradient(loss_fn, mesh, plan, options)
+    warn_if_collectives_may_race(mesh)
 
     def planned_value_and_grad(params, batch, *extra):
         st, key = extra_args(extra, options, "params")

@@ -31,6 +31,7 @@ from osdp_jax.core.layout import (
     spec_tree,
     state_spec_tree,
 )
+from osdp_jax.core.simulated import warn_if_collectives_may_race
 from osdp_jax.core.strategies import axes_size, axis_entry
 from osdp_jax.core.xla import StepProfile, loop_flops, profile_compiled
 from osdp_jax.runtime.collectives import device_index
@@ -286,6 +287,7 @@ def make_train_step(loss_fn, optimizer, plan, mesh, *, has_aux: bool = False, au
     options = StepOptions(has_aux, aux, rng, state,
                           microbatches=getattr(plan, "microbatches", 1) if microbatches is None else microbatches)
     step = build_step(loss_fn, optimizer, mesh, plan, options)
+    warn_if_collectives_may_race(mesh)
     return TrainStep(jit_step(step), "train step", None if any_batch_size else plan.batch_size,
                      reuse=(loss_fn, optimizer, mesh, plan, options), mesh=mesh)
 
