@@ -2,6 +2,7 @@
 state and update on a shard, the new shards all-gathered. Training equal to one device is in
 test_step (bit-identical replicas, exact clipping) and test_layers (a zero2 segment); restoring
 onto a plan with other strategies in test_checkpoint."""
+import foreign
 import jax
 import optax
 import pytest
@@ -30,24 +31,41 @@ def _error(plan) -> float:
 
 
 def test_zero2_memory_predicted_and_chosen_between_the_zero2_and_replicate_peaks(stack, mesh):
-    """All-zero2 is predicted within 10% of XLA's peak (xi fitted on the zero2 probe). At a budget
+    """All-zero2 is predicted within 5% of XLA's peak (xi fitted on the zero2 probe). At a budget
     halfway between the all-zero2 and all-replicate peaks, the search over replicate, zero3 and
     zero2 takes zero2 and no zero3: zero3 of a stacked parameter gathers each layer twice and
     reduce-scatters it (3 collectives per layer), zero2 reduce-scatters and all-gathers the stack
-    once; the plan fits by XLA and is predicted within 10%."""
+    once; the plan fits by XLA and is predicted within 5%."""
     zero2 = _plan(stack, mesh, "4GB", ("zero2",))
     assert set(zero2.counts()) <= {"zero2", "replicate"} and zero2.counts()["zero2"]
-    assert abs(_error(zero2)) <= 0.10, zero2.summary()
+    assert abs(_error(zero2)) <= 0.05, zero2.summary()
     replicate = _plan(stack, mesh, "4GB", ("replicate",))
     assert zero2.xla_peak_bytes < replicate.xla_peak_bytes
     budget = (zero2.xla_peak_bytes + replicate.xla_peak_bytes) // 2
     mixed = _plan(stack, mesh, budget, ("replicate", "zero3", "zero2"))
     assert mixed.counts().get("zero2") and not mixed.counts().get("zero3"), mixed.summary()
-    assert mixed.xla_peak_bytes <= budget and abs(_error(mixed)) <= 0.10, mixed.summary()
+    assert mixed.xla_peak_bytes <= budget and abs(_error(mixed)) <= 0.05, mixed.summary()
     assert mixed.predicted_samples_per_second > _plan(stack, mesh, budget, ("replicate", "zero3")
                                                       ).predicted_samples_per_second
     again = osdp_jax.Plan.from_json(mixed.to_json())
     assert again.layout == mixed.layout and again.counts() == mixed.counts()
+
+
+def test_zero2_is_charged_for_the_time_its_gradient_is_whole(mesh):
+    """An unrolled MLP's zero2 gradients are reduce-scattered as the backward pass produces them,
+    so they are never all whole together: all-zero2 is predicted within 5% of XLA's peak (not
+    charged as replication's gradients and all-reduce buffer), and a replicate/zero2 plan halfway
+    to the all-replicate peak fits and is predicted no more than 2% under XLA's peak."""
+    params, loss_fn, batch = foreign.plain_mlp()
+    kw = dict(loss_fn=loss_fn, batch=batch, optimizer=optax.adam(1e-3), splits=(1,))
+    zero2 = osdp_jax.plan(params, mesh, budget="1GB", strategies=("zero2",), **kw)
+    assert zero2.counts() == {"zero2": len(osdp_jax.describe(params))}
+    assert abs(_error(zero2)) <= 0.05, zero2.summary()
+    replicate = osdp_jax.plan(params, mesh, budget="1GB", strategies=("replicate",), **kw)
+    budget = (zero2.xla_peak_bytes + replicate.xla_peak_bytes) // 2
+    mixed = osdp_jax.plan(params, mesh, budget=budget, strategies=("replicate", "zero2"), **kw)
+    assert set(mixed.counts()) == {"replicate", "zero2"}, mixed.summary()
+    assert mixed.xla_peak_bytes <= budget and _error(mixed) >= -0.02, mixed.summary()
 
 
 def test_zero2_is_opt_in_and_bad_uses_are_one_clear_error(mesh):

@@ -36,6 +36,7 @@ def _models():
     module, cfg, _ = models.get("gpt2-mini")
     yield "mlp (2 layers)", foreign.plain_mlp()
     yield "einsum LM (4 blocks)", foreign.einsum_lm(layers=4)
+    yield "residual MLP (6 blocks, LayerNorm)", foreign.residual_mlp(depth=6, width=128, batch=32)
     yield "gpt2-mini (stack)", (models.init_params(module, 16, seed=0), models.make_loss(module),
                                 toy.lm_batch(cfg.vocab_size, 64, 16))
 
@@ -60,9 +61,18 @@ def main():
         kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, splits=(1,), remat=("full",))
         zero2 = osdp_jax.plan(params, mesh, budget="10GB", strategies=("zero2",), **kw)
         ddp = osdp_jax.plan(params, mesh, budget="10GB", strategies=("replicate",), **kw)
+        fsdp = osdp_jax.plan(params, mesh, budget="10GB", strategies=("zero3",), **kw)
         budget = (zero2.xla_peak_bytes + ddp.xla_peak_bytes) // 2
-        mixed = osdp_jax.plan(params, mesh, budget=budget, strategies=("replicate", "zero3", "zero2"), **kw)
-        for label, p in [("all zero2", zero2), (f"mixed at {kib(budget)}", mixed)]:
+        low = (zero2.xla_peak_bytes + fsdp.xla_peak_bytes) // 2
+        runs = [("all zero2", zero2),
+                (f"mixed at {kib(budget)}",
+                 osdp_jax.plan(params, mesh, budget=budget, strategies=("replicate", "zero3", "zero2"), **kw)),
+                (f"replicate/zero2 at {kib(budget)}",
+                 osdp_jax.plan(params, mesh, budget=budget, strategies=("replicate", "zero2"), **kw))]
+        if low < zero2.xla_peak_bytes:
+            runs.append((f"zero3/zero2 at {kib(low)}",
+                         osdp_jax.plan(params, mesh, budget=low, strategies=("zero3", "zero2"), **kw)))
+        for label, p in runs:
             err = (p.predicted_peak_bytes - p.xla_peak_bytes) / p.xla_peak_bytes
             plans.append(f"| {name} | {label} | {p.counts()} | {kib(p.predicted_peak_bytes)} | {kib(p.xla_peak_bytes)} "
                          f"| {100 * err:+.1f}% | {p.predicted_samples_per_second:,.0f} "

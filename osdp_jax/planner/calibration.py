@@ -54,6 +54,8 @@ class ProbeKind(enum.Enum):
     REMAT_NONE = "N"  # as LAYER, every stack saving everything: the "none" remat terms
     ZERO2 = "T"  # every shardable per-step parameter zero2, the rest replicated: xi (only when
     #             the search may choose zero2)
+    ZERO2_LAYER = "W"  # as ZERO2, the per-layer and unit parameters zero3 (as LAYER): xi where no
+    #                   replicated stack's gradients hide the zero2 ones (with LAYER and ZERO2 only)
     LAST = "U"  # as LAYER, but the unit called last replicated: what sharding that unit saves
     #            (``_cost.fit``; only with two units or more, at the smallest batch size)
 
@@ -66,10 +68,12 @@ class ProbeKind(enum.Enum):
         if self is ProbeKind.LAST:
             return at_use and problem.units.get(info.path) != problem.last_unit
         return {"R": False, "Z": True, "L": at_use, "S": True, "P": True, "T": False}.get(self.value, at_use)
+        # LAYER, the remat probes, ZERO2_LAYER: the parameters gathered at use
 
     def zero2(self, info, problem: Problem) -> bool:
         """Whether this probe makes ``info`` zero2: the ZERO2 probe, its per-step parameters."""
-        return self is ProbeKind.ZERO2 and not (info.path in problem.in_loop or info.path in problem.units)
+        return (self in (ProbeKind.ZERO2, ProbeKind.ZERO2_LAYER)
+                and not (info.path in problem.in_loop or info.path in problem.units))
 
     @property
     def remat(self) -> str:
@@ -334,6 +338,8 @@ def probe_kinds(problem: Problem) -> list[ProbeKind]:
         kinds.append(ProbeKind.SPLIT_STEP)
     if "zero2" in problem.strategies and (can_shard & ~loop).any():
         kinds.append(ProbeKind.ZERO2)
+        if ProbeKind.LAYER in kinds:
+            kinds.append(ProbeKind.ZERO2_LAYER)
     return kinds
 
 
@@ -462,7 +468,8 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
         per_layer = got.get(ProbeKind.LAYER, got.get(ProbeKind.ZERO3) if not (can_shard & ~loop).any() else None)
         probed[b] = fit(got[ProbeKind.REPLICATE], per_layer, got.get(ProbeKind.ZERO3, got[ProbeKind.REPLICATE]),
                         p, can_shard, loop,
-                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem), got.get(ProbeKind.ZERO2),
+                        got.get(ProbeKind.SPLIT), split_share, _unit_mask(problem),
+                        (got.get(ProbeKind.ZERO2), got.get(ProbeKind.ZERO2_LAYER)),
                         problem.last_unit_mask(), problem.saving_bytes(),
                         runs[ProbeKind.LAST, b][0] if (ProbeKind.LAST, b) in runs else None, last_saving,
                         got.get(ProbeKind.SPLIT_STEP), step_share)
