@@ -14,6 +14,7 @@ import toy
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
+from osdp_jax.planner.cost import step_seconds
 from osdp_jax.planner.search import Solution
 from osdp_jax.planner.verify import verify
 from osdp_jax.planning import PlanOptions, ProbeKind, RecordedCalibrator, build_problem
@@ -23,9 +24,12 @@ RECORDED = pathlib.Path(__file__).parent / "data" / "toy_probes.json"  # tests/d
 
 @pytest.fixture(scope="module")
 def recorded(mesh):
-    """plan() keywords that plan the toy model from recorded probes: nothing is compiled."""
+    """plan() keywords that plan the toy model from recorded probes: nothing is compiled, nothing
+    measured (the CPU's nominal constants, not the measured default)."""
+    from osdp_jax.core.hardware import default_hardware
     return dict(loss_fn=toy.plain_loss, batch=toy.tokens(32), optimizer=optax.adam(1e-3),
-                batch_sizes=(8, 16, 64), calibrator=RecordedCalibrator.from_json(RECORDED), verify=False)
+                batch_sizes=(8, 16, 64), calibrator=RecordedCalibrator.from_json(RECORDED), verify=False,
+                hardware=default_hardware(mesh, measure=False))
 
 
 def test_problem_columns_and_availability(mesh):
@@ -342,7 +346,8 @@ def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_i
     """``_planner._search`` searches each batch size only for plans faster than the best so far
     (its LP bound orders them, and skips one that cannot win). Its choice, and each re-plan under
     a lowered limit on the same kept fronts, is the largest samples/s over every batch size each
-    searched in full, the smallest batch size of equals, on random tables."""
+    searched in full, the smallest batch size of equals, on random tables, with and without
+    collectives running behind the compute (``overlap``: ``cost.step_seconds``)."""
     from types import SimpleNamespace
 
     from osdp_jax.planner.pipeline import _search
@@ -355,7 +360,8 @@ def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_i
             t = rng.random((n, c)) * size / 8
             t[:, 1:][rng.random((n, c - 1)) < 0.2] = np.inf
             tables[size] = SimpleNamespace(time=t, mem=rng.random((n, c)) * size, pools=rng.random((n, c, 2)),
-                                           base_mem=float(size), base_time=float(rng.random()))
+                                           base_mem=float(size), base_time=float(rng.random()),
+                                           overlap=(0.0, 0.5, 1.0)[trial % 3])
         if trial % 4 == 0:
             tables[16] = SimpleNamespace(**vars(tables[8]))  # equals
             tables[16].time = tables[8].time * 2
@@ -368,7 +374,7 @@ def test_the_batch_sizes_searched_fastest_bound_first_give_what_searching_each_i
                     sol = solve_pools(t.time, t.mem, t.pools, limit - t.base_mem)
                 except InfeasibleBudgetError:
                     continue
-                sps = size / (t.base_time + sol.time)
+                sps = size / step_seconds(t.base_time, sol.time, t.overlap)
                 if want is None or sps > want[0]:
                     want = (sps, size)
             best, _ = _search(tables, limit, fronts)

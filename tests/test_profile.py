@@ -51,3 +51,42 @@ def test_profile_measures_each_axis_of_a_2d_mesh(tmp_path):
     assert hw.link(("replica", "data"))[0] == min(link["bandwidth"] for link in hw.links.values())
     save(hw, tmp_path / "p.json", raw)
     assert load(tmp_path / "p.json") == hw
+
+
+def test_a_cpu_mesh_is_measured_once_and_read_back(mesh, tmp_path, monkeypatch):
+    """``default_hardware`` of a CPU mesh is measured (``profile``) the first time, kept as a
+    profile file, and read back after, in this process and in the next (the file)."""
+    from osdp_jax.core import profile as prof
+    from osdp_jax.core.hardware import default_hardware
+    monkeypatch.setenv(prof.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv("OSDP_JAX_CPU_PROFILE")  # the suite's fixed constants (conftest)
+    monkeypatch.setattr(prof, "_MEASURED", {})
+    calls = []
+    measure = prof.profile
+    monkeypatch.setattr(prof, "profile", lambda m: calls.append(m) or measure(m, sizes=(2**14, 2**18), repeats=1))
+    hw = default_hardware(mesh)
+    assert calls == [mesh] and hw.name == "measured-cpu" and "measured by osdp-jax profile" in hw.sources["flops"]
+    assert [p.name for p in tmp_path.iterdir()] == [prof.cpu_profile_path(mesh).name]
+    assert default_hardware(mesh) == hw and len(calls) == 1  # in-process
+    monkeypatch.setattr(prof, "_MEASURED", {})
+    assert default_hardware(mesh) == hw and len(calls) == 1  # from the file
+    assert default_hardware(mesh, measure=False).name == "cpu"  # the nominal constants
+    monkeypatch.setenv("OSDP_JAX_CPU_PROFILE", "nominal")
+    assert default_hardware(mesh).name == "cpu"
+    save(hw, tmp_path / "fixed.json")
+    monkeypatch.setenv("OSDP_JAX_CPU_PROFILE", str(tmp_path / "fixed.json"))
+    assert default_hardware(mesh) == hw and len(calls) == 1
+
+
+def test_overlap_is_measured_bounded_and_hides_collectives_behind_compute(mesh):
+    """The overlap is measured in [0, 1]; a step's seconds are F + max(0, C - overlap F), by hand."""
+    from osdp_jax.core.profile import measure_overlap
+    from osdp_jax.planner.cost import items_within, step_seconds
+    overlap, times = measure_overlap(mesh, ("data",), n=128, repeats=1)
+    assert 0.0 <= overlap <= 1.0 and times["compute_s"] > 0 and times["both_s"] > 0
+    with pytest.raises(ValueError, match="overlap must be between 0 and 1"):
+        osdp_jax.Hardware("x", 2**30, 1e12, 1e9, 1e-5, overlap=1.5)
+    assert step_seconds(10.0, 4.0, 0.0) == 14.0
+    assert step_seconds(10.0, 4.0, 0.3) == 11.0  # 3 s of the 4 run behind the compute
+    assert step_seconds(10.0, 4.0, 0.5) == 10.0  # all of them
+    assert items_within(11.0, 10.0, 0.3) == 4.0 and items_within(9.0, 10.0, 0.3) == -1.0

@@ -34,6 +34,10 @@ class Hardware:
       sources: where each number comes from, keyed by field name.
       links: per mesh axis, ``{"bandwidth": bytes/s, "latency": s}``, for axes whose link differs
         from the default (e.g. the inter-node axis of a 2-D mesh).
+      overlap: the share of a step's compute that collectives can run behind, between 0 and 1:
+        a step's exposed collective time is ``max(0, C - overlap * F)`` for C seconds of
+        collectives and F of compute. 0 where XLA runs them apart (XLA:CPU); ``osdp-jax profile``
+        measures it (:func:`osdp_jax.core.profile.measure_overlap`).
     """
 
     name: str
@@ -43,6 +47,7 @@ class Hardware:
     latency: float
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     links: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
+    overlap: float = 0.0
 
     def __post_init__(self):
         for field in ("memory_bytes", "flops", "bandwidth"):
@@ -50,6 +55,9 @@ class Hardware:
                 raise ValueError(f"Hardware.{field} must be positive, got {getattr(self, field)!r}")
         if self.latency < 0:
             raise ValueError(f"Hardware.latency must be >= 0, got {self.latency!r}")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"Hardware.overlap must be between 0 and 1 (the share of compute that collectives "
+                             f"run behind), got {self.overlap!r}")
         for axis, link in self.links.items():
             if set(link) != {"bandwidth", "latency"} or not link["bandwidth"] > 0 or link["latency"] < 0:
                 raise ValueError(f"Hardware.links[{axis!r}] must be {{'bandwidth': > 0, 'latency': >= 0}}, "
@@ -95,6 +103,7 @@ PRESETS: dict[str, Hardware] = {
             "flops": "NVIDIA TITAN RTX spec sheet: 16.3 TFLOPS FP32 (the OSDP paper trained in FP32)",
             "bandwidth": "PCI-SIG PCIe 3.0 x16: 8 GT/s x 16 lanes x 128/130 = 15.75 GB/s per direction",
             "latency": "assumed 20 us per collective over PCIe (typical NCCL small-message latency)",
+            "overlap": "0 until measured: osdp-jax profile on the GPUs",
         }),
     "a100-40gb": Hardware(
         "a100-40gb", 40 * _GiB, 312e12, 300e9, 10e-6, {
@@ -102,6 +111,7 @@ PRESETS: dict[str, Hardware] = {
             "flops": "NVIDIA A100 datasheet: 312 TFLOPS BF16 dense tensor core",
             "bandwidth": "NVIDIA A100 datasheet: NVLink 3 600 GB/s total = 300 GB/s per direction",
             "latency": "assumed 10 us per collective over NVLink",
+            "overlap": "0 until measured: osdp-jax profile on the GPUs",
         }),
     "h100-80gb": Hardware(
         "h100-80gb", 80 * _GiB, 989e12, 450e9, 10e-6, {
@@ -109,6 +119,7 @@ PRESETS: dict[str, Hardware] = {
             "flops": "NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense tensor core",
             "bandwidth": "NVIDIA H100 SXM5 datasheet: NVLink 4 900 GB/s total = 450 GB/s per direction",
             "latency": "assumed 10 us per collective over NVLink",
+            "overlap": "0 until measured: osdp-jax profile on the GPUs",
         }),
     "h200": Hardware(
         "h200", 141 * 10**9, 989e12, 450e9, 10e-6, {
@@ -116,6 +127,7 @@ PRESETS: dict[str, Hardware] = {
             "flops": "NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense tensor core",
             "bandwidth": "NVIDIA H200 SXM datasheet: NVLink 900 GB/s total = 450 GB/s per direction",
             "latency": "assumed 10 us per collective over NVLink",
+            "overlap": "0 until measured: osdp-jax profile on the GPUs",
         }),
 }
 # The paper's TITAN RTX nodes, two of them joined by 10 Gb Ethernet: for meshes with axes
@@ -128,6 +140,9 @@ PRESETS["titan-rtx-pcie3-2nodes-10gbe"] = dataclasses.replace(
              "links.replica.latency": "assumed 50 us per collective across nodes over TCP"})
 
 
+CPU_PROFILE_ENV = "OSDP_JAX_CPU_PROFILE"  # "nominal" or a profile file: a CPU mesh's default, fixed
+
+
 def _cpu_preset(n_local: int) -> Hardware:
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -138,16 +153,24 @@ def _cpu_preset(n_local: int) -> Hardware:
         "flops": "nominal 20 GFLOP/s per simulated device, not measured",
         "bandwidth": "nominal 4 GB/s host memcpy for in-process CPU collectives, not measured",
         "latency": "nominal 50 us per in-process CPU collective, not measured",
+        "overlap": "0: XLA:CPU runs collectives apart from compute",
     })
 
 
-def default_hardware(mesh) -> Hardware:
+def default_hardware(mesh, measure: bool = True) -> Hardware:
     """The hardware profile a plan on ``mesh`` uses when none is given.
 
     Args:
       mesh: a ``jax.sharding.Mesh``; its first device's platform and kind pick the preset (H200,
-        H100, A100, TITAN RTX; an unknown GPU gets the H100's numbers under its own name; a CPU
-        mesh the CPU profile).
+        H100, A100, TITAN RTX; an unknown GPU gets the H100's numbers under its own name). A CPU
+        mesh of several devices in one process gets its own collectives and FLOP/s, measured by
+        ``osdp-jax profile``'s machinery the first time and read back after
+        (:func:`osdp_jax.core.profile.cached_cpu_profile`); over several processes, whose plans
+        must agree, the nominal CPU constants (``osdp-jax profile`` measures such a mesh).
+        ``$OSDP_JAX_CPU_PROFILE`` fixes a CPU mesh's profile instead: ``nominal`` (the nominal
+        constants) or the path of an ``osdp-jax profile`` file, for runs that must plan alike
+        whatever the machine's load (the test suite sets ``nominal``).
+      measure: False: a CPU mesh's nominal constants instead, never measured.
 
     Returns:
       A :class:`Hardware`, its memory read from ``device.memory_stats()`` where the device
@@ -156,6 +179,12 @@ def default_hardware(mesh) -> Hardware:
     device = mesh.devices.flat[0]
     kind = (getattr(device, "device_kind", "") or "").lower()
     if device.platform == "cpu":
+        fixed = os.environ.get(CPU_PROFILE_ENV, "")
+        if fixed and fixed != "nominal":
+            return load(fixed)
+        if measure and not fixed and mesh.devices.size > 1 and jax.process_count() == 1:
+            from osdp_jax.core.profile import cached_cpu_profile  # it measures with this module's presets
+            return cached_cpu_profile(mesh)
         return _cpu_preset(len(jax.local_devices()))
     for key, name in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-40gb"),
                       ("titan rtx", "titan-rtx-pcie3")):

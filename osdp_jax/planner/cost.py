@@ -58,20 +58,28 @@ fitted on a probe that splits every per-layer kernel at its largest k.
 
 *zero2* (the gradient reduce-scattered as it is produced, the update on the shard, the new
 shards all-gathered into the output): a per-step zero2 parameter leaves the R pool and holds
-xi p_i of temp instead, xi = max(1 + rho, fitted). The fit is on a probe with every shardable
-per-step parameter zero2 (``temp_2 = temp_R - (1 + rho) Z2_T + xi Z2_T``), taken only when the
-search may choose zero2 (``experiments/benchmarks/zero2_memory.py`` measures it). It is not
-used below 1 + rho: in that probe the zero2 gradients can hide behind the replicated stacks'
-gradient buffers, which a plan with zero3 stacks no longer has, and a fit under 1 + rho
-under-predicts such plans. So zero2 is charged at least what replication is, and over-predicted
-where its gradients never coexist. A per-layer or unit parameter made zero2 keeps its temp (its
-gradient accumulates whole in the loop, as a replicated one's does).
+xi p_i of temp instead. Its whole gradient lives from the op that produces it to its
+reduce-scatter (a weight used once: briefly; a weight used twice, such as a tied embedding: from
+its first use in the backward pass to its last), so xi is what the model's schedule shows,
+fitted on a probe with every shardable per-step parameter zero2
+(``temp_2 = temp_R - (1 + rho) Z2_T + xi Z2_T``), taken only when the search may choose zero2
+(``experiments/benchmarks/zero2_memory.py`` measures it). In that probe the zero2 gradients can
+hide behind a replicated stack's gradient buffers, which a plan with the stack sharded no longer
+has (OPT-30B-8L's tied embedding: a plan with the stacks zero3 was predicted 10.7% under XLA's
+peak on that probe alone). So a model with a layer stack or units takes a second probe, the same
+with them zero3 (LAYER's layout), fitted against LAYER, and xi is the larger of the two fits
+(:func:`_xi`). A per-layer or unit parameter made zero2 keeps its temp (its gradient accumulates
+whole in the loop, as a replicated one's does).
 
 (rho = 1.) As ``(1 - omega) max(A, B) + omega (A + B)``, the search is a two-pool knapsack
 (``_search.solve_pools``), solved exactly.
 
-Time per step: compute + communication, not overlapped, each optionally scaled by factors fitted
-on timed runs of the probe steps on the mesh (``plan(measure_time=True)``; ``fit_time``)::
+Time per step: compute F plus the communication C that does not run behind it, each optionally
+scaled by factors fitted on timed runs of the probe steps on the mesh
+(``plan(measure_time=True)``; ``fit_time``)::
+
+    step = F + max(0, C - overlap F)       (overlap: Hardware.overlap, measured by osdp-jax
+                                            profile; 0 on XLA:CPU, whose collectives run apart)
 
     compute    = FLOPs per device / Hardware.flops      (XLA's cost_analysis, which counts a loop
                  body once, plus the matmul FLOPs of the other iterations: _xla.loop_flops)
@@ -89,6 +97,11 @@ on timed runs of the probe steps on the mesh (``plan(measure_time=True)``; ``fit
                the hardware's per-axis links make it faster than one flat ring
 
 (one all-gather for a per-step parameter: the gathered weight is kept for the backward pass).
+C sums these over the parameters (and a unit's recomputed forward pass, which cannot run behind
+F, is counted in C too: with overlap > 0 it is predicted as hidden as a collective is). For a
+given batch size the plan with the least C is also the one with the least step time, so the
+search over strategies is the same with or without overlap; the overlap moves the choice of
+batch size and microbatches, and the predicted step time.
 With several data-parallel axes, a collective runs at the slowest link it crosses
 (``Hardware.link``).
 """
@@ -118,7 +131,7 @@ class CostTables:
     ``time[i, s]`` seconds; ``mem[i, s]`` bytes held through the step; ``pools[i, s, k]`` transient
     bytes in pool k (0: replicated-gradient buffer, 1: gathered zero3 weights). ``inf`` marks a
     strategy the parameter cannot take. Peak = ``base_mem + sum mem + max_k sum pools[..., k]``;
-    step time = ``base_time + sum time``.
+    step time = ``base_time + max(0, sum time - overlap * base_time)`` (:func:`step_seconds`).
     """
 
     columns: tuple[tuple[str, int], ...]
@@ -128,6 +141,20 @@ class CostTables:
     base_mem: float
     base_time: float
     two_stage: np.ndarray  # [i, s]: zero3 collectives in two stages (faster there)
+    overlap: float = 0.0  # the share of base_time the items' seconds run behind (Hardware.overlap)
+
+
+def step_seconds(base_time: float, items: float, overlap: float) -> float:
+    """A step's seconds: the compute ``base_time`` plus what of the items' ``items`` seconds (their
+    collectives, and a unit's recomputed forward pass) does not run behind ``overlap`` of it."""
+    return base_time + max(0.0, items - overlap * base_time)
+
+
+def items_within(seconds: float, base_time: float, overlap: float) -> float:
+    """The most items' seconds a step of ``base_time`` compute may hold and take at most
+    ``seconds`` (:func:`step_seconds` inverted; negative when even none would)."""
+    spare = seconds - base_time
+    return spare + overlap * base_time if spare >= 0 else spare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +181,7 @@ class Calibration:
 def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfile,
         p: np.ndarray, can_shard: np.ndarray, loop: np.ndarray,
         split: StepProfile | None = None, split_share: float = 0.0, unit: np.ndarray | None = None,
-        zero2: StepProfile | None = None, last: np.ndarray | None = None,
+        zero2=None, last: np.ndarray | None = None,
         weight: np.ndarray | None = None, but_last: StepProfile | None = None,
         last_saving: float | None = None, split_step: StepProfile | None = None,
         step_share: float = 0.0) -> Calibration:
@@ -163,7 +190,8 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
 
     ``split`` is the all-zero3 step with every per-layer splittable kernel split at its largest
     k, and ``split_share`` the sum of (1 - 1/k) p / L over those kernels. ``zero2`` is the step
-    with every shardable per-step parameter zero2 (xi; None: xi stays 1 + rho). ``last`` marks
+    with every shardable per-step parameter zero2, or the pair of it and the same with the per-layer
+    and unit parameters zero3 (xi: :func:`_xi`; None: xi stays 1 + rho). ``last`` marks
     the parameters of the unit called last, which save no temp (``cost_tables``), so kappa is
     per byte of the others; ``weight`` the bytes kappa counts per parameter
     (``Problem.saving_bytes``; default ``p``). ``but_last`` is the ``per_layer`` step with the
@@ -193,13 +221,22 @@ def fit(replicate: StepProfile, per_layer: StepProfile | None, zero3: StepProfil
         sigma = max(0.0, (zero3.temp_bytes - split.temp_bytes) / split_share)
     z_unit = p[can_shard & unit].sum() if unit is not None else 0.0
     unit_flops = max(0.0, (per_layer.flops - replicate.flops) / z_unit) if per_layer and z_unit else 0.0
-    xi = 1 + RHO
-    if zero2 is not None and top_sh:  # never under replication's charge (see the module docstring)
-        xi = max(1 + RHO, (zero2.temp_bytes - replicate.temp_bytes) / top_sh + 1 + RHO)
+    xi = _xi(replicate, per_layer, zero2, top_sh)
     tau = None
     if split_step is not None and step_share:
         tau = (zero3.temp_bytes - split_step.temp_bytes) / step_share  # < 0: splitting costs memory
     return Calibration(replicate, kappa, zeta, sigma, unit_flops, xi, last_saving=last_saving, tau=tau)
+
+
+def _xi(replicate: StepProfile, per_layer: StepProfile | None, zero2, top_sh: float) -> float:
+    """xi, temp bytes per byte of per-step parameter made zero2 (module docstring), from ``zero2``:
+    the ZERO2 probe, or the pair (ZERO2, ZERO2_LAYER), either None where not compiled. Each gives
+    ``(temp_2 - temp_base) / Z2_T + 1 + rho`` against its base (all-replicate; LAYER), and xi is the
+    larger, at least 0; 1 + rho (replication's charge) without either."""
+    probes = zero2 if isinstance(zero2, tuple) else (zero2, None)
+    fits = [(probe.temp_bytes - base.temp_bytes) / top_sh + 1 + RHO
+            for probe, base in zip(probes, (replicate, per_layer)) if probe is not None and base is not None]
+    return max(0.0, *fits) if fits and top_sh else 1 + RHO
 
 
 def optimizer_bytes(optimizer, params) -> tuple[np.ndarray, int]:
@@ -414,7 +451,8 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
     mem -= shift[:, None]
     return CostTables(columns, time, mem, pools, float(base_mem + shift.sum()),
-                      cal.compute_scale * r.flops / hw.flops if calibration is not None else 0.0, two_stage)
+                      cal.compute_scale * r.flops / hw.flops if calibration is not None else 0.0, two_stage,
+                      hw.overlap)
 
 
 class _Sizes(NamedTuple):

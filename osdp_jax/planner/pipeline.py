@@ -48,7 +48,7 @@ from osdp_jax.planner.calibration import (
     step_split_probe,
     uncalibrated,
 )
-from osdp_jax.planner.cost import cost_tables, optimizer_bytes
+from osdp_jax.planner.cost import cost_tables, items_within, optimizer_bytes, step_seconds
 from osdp_jax.planner.loss import PlainLoss
 from osdp_jax.planner.problem import Problem, build_problem
 from osdp_jax.planner.search import (
@@ -790,7 +790,7 @@ def _progress(jobs, desc):
 
 def _candidate(size, sol, tables):
     """A search result: (samples/s or -time to maximise, batch size, solution, tables, seconds, samples/s)."""
-    step_s = tables.base_time + sol.time
+    step_s = step_seconds(tables.base_time, sol.time, tables.overlap)
     sps = size / step_s if size is not None and step_s > 0 else None
     return (sps if sps is not None else -sol.time, size, sol, tables, step_s, sps)
 
@@ -824,8 +824,8 @@ def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
     its penalty to the memory of its batch size's choices.
 
     Batch sizes are searched in order of the samples/s their LP bound allows (``lower_bound``),
-    each only for plans faster than the best so far: ``size / sps - base_time`` seconds of its
-    items at most, and not at all when its bound is below the best. The best is the largest
+    each only for plans faster than the best so far: ``items_within(size / sps, ...)`` seconds of
+    its items at most, and not at all when its bound is below the best. The best is the largest
     samples/s, the smallest batch size of equals, as if each were searched in full."""
     best, min_needed = None, math.inf
     order = []
@@ -839,7 +839,7 @@ def _search(tables_for: dict, limit: float, fronts: dict, lessons=()):
     for _, _, size, t, extra, least in sorted(order, key=lambda x: x[:2]):
         give_up = math.inf
         if best is not None and size is not None and best[5]:
-            give_up = size / best[5] - t.base_time
+            give_up = items_within(size / best[5], t.base_time, t.overlap)
         try:
             searched, sol = _solve(t, limit - t.base_mem, fronts, extra, give_up, least)
         except InfeasibleBudgetError as e:

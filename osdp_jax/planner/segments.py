@@ -58,6 +58,7 @@ class Items:
     weight: tuple = ()  # layers each item stands for (1 per layer; L for a whole stack)
     units: tuple = ()  # per unit item ("unit", u): its parameters' indices
     unit_cols: tuple = ()  # [u][column]: each of its parameters' column when the unit takes it
+    overlap: float = 0.0  # as CostTables.overlap
 
 
 def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), per_layer: bool = True) -> Items:
@@ -115,7 +116,8 @@ def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), 
         weight += [layers // per] * per
     columns = (*tables.columns, *(("remat", p) for p in policies))
     return Items(columns, np.array(rows_t), np.array(rows_m), np.array(rows_p), base_mem, base_time,
-                 tables.two_stage, tuple(owner), policies, tuple(weight), tuple(units), tuple(unit_cols))
+                 tables.two_stage, tuple(owner), policies, tuple(weight), tuple(units), tuple(unit_cols),
+                 tables.overlap)
 
 
 def param_columns(items: Items, choices) -> dict[int, int]:
