@@ -330,6 +330,25 @@ def residual_mlp(depth=6, width=256, batch=64):
     return _linen_regression(ResidualMlp(width, depth), _regression_data(batch, width))
 
 
+class UnevenMlp(nn.Module):
+    """Unrolled residual MLP blocks of very different hidden widths (linen, bias-free kernels)."""
+
+    widths: tuple = (2048, 128, 4096, 256, 1024, 64)
+    d: int = 256
+
+    @nn.compact
+    def __call__(self, x):
+        for width in self.widths:
+            h = jax.nn.gelu(nn.Dense(width, use_bias=False)(nn.LayerNorm()(x)))
+            x = x + nn.Dense(self.d, use_bias=False)(h)
+        return x
+
+
+def uneven_mlp(widths=(2048, 128, 4096, 256, 1024, 64), d=256, batch=16):
+    """``(params, loss_fn, batch)`` of :class:`UnevenMlp`, a regression on random data."""
+    return _linen_regression(UnevenMlp(tuple(widths), d), _regression_data(batch, d))
+
+
 class NnxResidualBlock(nnx.Module):
     def __init__(self, width, rngs):
         self.norm, self.dense = nnx.LayerNorm(width, rngs=rngs), nnx.Linear(width, width, rngs=rngs)

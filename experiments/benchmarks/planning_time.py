@@ -24,9 +24,10 @@ simulated devices, with JAX's persistent compilation cache off (so every compile
   wall time, which also writes ``sweep.md`` and draws ``sweep.png`` (matplotlib's first import
   in the process), is given beside it.
 
-With ``--foreign``, also the three models of ``tests/foreign.py`` (an einsum LM
-with a tied embedding and an unrolled loop, a ResNet, an nnx ViT run as a Python loop; each at
-the foreign-model benchmarks' size, :data:`foreign.FAMILIES`), planned as a user would plan them
+By default (``--no-foreign`` leaves them out), also the models of ``tests/foreign.py`` in
+:data:`FOREIGN` (an einsum LM with a tied embedding and an unrolled loop, a ResNet, an nnx ViT run
+as a Python loop, each at the foreign-model benchmarks' size; and six unrolled residual MLP blocks
+of widths 2048, 128, 4096, 256, 1024 and 64), planned as a user would plan them
 (``osdp_jax.plan`` with the loss, one batch of 32, Adam): *cold* at 40% of the way from the FSDP
 peak to the DDP peak (XLA's, compiled before the caches are cleared), the *second budget* at 60%,
 and *one compile* as above. They have no layer stack: their probes are compiled whole, and the
@@ -42,7 +43,7 @@ With ``--segment-gain G`` each config plans with ``plan.segment_gain = G`` (``os
 ``segment_gain``: a per-layer plan only where each segment beyond a stack's first brings G
 predicted speed-up); ``--out`` names the file written instead.
 
-Run: python experiments/benchmarks/planning_time.py [--configs gpt2_mini,...] [--repeats 3] [--foreign]
+Run: python experiments/benchmarks/planning_time.py [--configs gpt2_mini,...] [--repeats 3] [--no-foreign]
      [--segment-gain 0.01] [--out experiments/results/planning_time_segment_gain.md]
 """
 import argparse
@@ -70,6 +71,10 @@ from osdp_jax.planning import clear_compiled, clear_probe_cache, compile_threads
 
 CONFIGS = ("gpt2_mini", "opt_mini", "bert_mini", "paper/gpt2_48l_1536")
 COMPILES = 3  # compiles of the chosen step per repeat; *one compile* is their median
+# the models of tests/foreign.py planned with --foreign: the foreign-model benchmarks' three, and
+# unrolled residual MLP blocks of very uneven widths
+FOREIGN = {**foreign.FAMILIES,
+           "uneven MLP, 6 unrolled blocks of widths 2048 to 64 (linen)": lambda: foreign.uneven_mlp(batch=32)}
 SWEEP_BUDGETS = ["4GB", "6GB", "8GB", "12GB", "16GB", "24GB", "32GB"]  # the README's paper sweep
 
 
@@ -122,9 +127,9 @@ def measure(name: str, segment_gain: float = 0.0) -> dict:
 
 def measure_foreign(name: str) -> dict:
     """:func:`measure`'s cold and second-budget figures for the foreign model ``name``
-    (``foreign.FAMILIES``), at 40% and 60% of the way from its FSDP peak to its DDP peak."""
+    (:data:`FOREIGN`), at 40% and 60% of the way from its FSDP peak to its DDP peak."""
     mesh, opt = jax.make_mesh((8,), ("data",)), optax.adam(1e-3)
-    params, loss_fn, batch = foreign.FAMILIES[name]()
+    params, loss_fn, batch = FOREIGN[name]()
     ddp, fsdp = foreign.ddp_fsdp_peaks(params, loss_fn, batch, opt, mesh)
     kw = dict(loss_fn=loss_fn, batch=batch, optimizer=opt)
     timed = []
@@ -185,8 +190,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--repeats", type=int, default=3, help="measurements per config; the table gives medians")
-    ap.add_argument("--foreign", action="store_true",
-                    help="also the three models of tests/foreign.py (no layer stack)")
+    ap.add_argument("--foreign", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the models of tests/foreign.py, FOREIGN (no layer stack; default on)")
     ap.add_argument("--segment-gain", type=float, default=0.0,
                     help="the configs' plan.segment_gain (osdp_jax.plan's segment_gain; default 0, as the configs)")
     ap.add_argument("--out", default="experiments/results/planning_time.md", help="the markdown file written")
@@ -198,7 +203,7 @@ def main():
         ap.error(f"--configs needs at least one config, e.g. --configs {CONFIGS[0]}")
     rows = [_repeated(functools.partial(measure, segment_gain=args.segment_gain), name.strip(), args.repeats)
             for name in names]
-    others = [_repeated(measure_foreign, name, args.repeats) for name in (foreign.FAMILIES if args.foreign else ())]
+    others = [_repeated(measure_foreign, name, args.repeats) for name in (FOREIGN if args.foreign else ())]
     lines = ["# Planning time", "",
              "Measured with `python experiments/benchmarks/planning_time.py"
              + (f" --segment-gain {args.segment_gain:g}` (each config's `plan.segment_gain` "
@@ -237,7 +242,8 @@ def main():
                   + f" | {r['sweep_all']:.1f} s | {r['sweep_all_ratio']:.2f} |" for r in swept]
     if others:
         missed = [r["name"] for r in others if r["cold_ratio"] > 3 or r["warm_ratio"] > 0.5]
-        lines += ["", "Models nobody here wrote (`--foreign`: `tests/foreign.py`, no layer stack), "
+        lines += ["", "Models nobody here wrote (`tests/foreign.py`, `FOREIGN`, no layer stack; `--no-foreign` "
+                  "leaves them out), "
                   "planned with `osdp_jax.plan` (one batch of 32, Adam): cold at 40% of the way from the FSDP peak to "
                   "the DDP peak, the second budget at 60%. Issue 16's targets are stated for the configs above; in the "
                   "medians " + (f"these miss one or both: {'; '.join(missed)}:" if missed else "these meet both:"), "",
