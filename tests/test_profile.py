@@ -76,6 +76,9 @@ def test_a_cpu_mesh_is_measured_once_and_read_back(mesh, tmp_path, monkeypatch):
     save(hw, tmp_path / "fixed.json")
     monkeypatch.setenv("OSDP_JAX_CPU_PROFILE", str(tmp_path / "fixed.json"))
     assert default_hardware(mesh) == hw and len(calls) == 1
+    monkeypatch.setenv("OSDP_JAX_CPU_PROFILE", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="OSDP_JAX_CPU_PROFILE=.*neither 'nominal' nor a readable profile"):
+        default_hardware(mesh)
 
 
 def test_overlap_is_measured_bounded_and_hides_collectives_behind_compute(mesh):

@@ -181,7 +181,11 @@ def default_hardware(mesh, measure: bool = True) -> Hardware:
     if device.platform == "cpu":
         fixed = os.environ.get(CPU_PROFILE_ENV, "")
         if fixed and fixed != "nominal":
-            return load(fixed)
+            try:
+                return load(fixed)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"${CPU_PROFILE_ENV}={fixed!r} is neither 'nominal' nor a readable profile file "
+                                 f"written by 'osdp-jax profile' ({e}); unset it to use the measured default") from None
         if measure and not fixed and mesh.devices.size > 1 and jax.process_count() == 1:
             from osdp_jax.core.profile import cached_cpu_profile  # it measures with this module's presets
             return cached_cpu_profile(mesh)
