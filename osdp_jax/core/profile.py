@@ -85,12 +85,17 @@ def fit_ring(times: dict, n: int) -> tuple[float, float]:
 
 def matmul_flops(mesh, axes, n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s per device: every device multiplies its own n x n f32 matrices, 2 n^3 / t."""
-    devices = axes_size(mesh, axes)
+    fn, x = _per_device_matmul(mesh, axes, n)
+    return 2 * n**3 / _time(fn, x, repeats)
+
+
+def _per_device_matmul(mesh, axes, n: int):
+    """``(step, operand)``: every device squares its own ``n x n`` f32 matrix."""
     entry = axis_entry(axes)
-    x = jax.device_put(jnp.ones((devices, n, n), jnp.float32) * 0.01, NamedSharding(mesh, P(entry)))
+    x = jax.device_put(jnp.ones((axes_size(mesh, axes), n, n), jnp.float32) * 0.01, NamedSharding(mesh, P(entry)))
     fn = jax.jit(jax.shard_map(lambda a: (a[0] @ a[0])[None], mesh=mesh, in_specs=P(entry),
                                out_specs=P(entry), check_vma=False))
-    return 2 * n**3 / _time(fn, x, repeats)
+    return fn, x
 
 
 def measure_overlap(mesh, axes, n: int = 512, repeats: int = 5) -> tuple[float, dict]:
@@ -102,7 +107,7 @@ def measure_overlap(mesh, axes, n: int = 512, repeats: int = 5) -> tuple[float, 
     overlap and the three medians."""
     devices = axes_size(mesh, axes)
     entry = axis_entry(axes)
-    mats = jax.device_put(jnp.ones((devices, n, n), jnp.float32) * 0.01, NamedSharding(mesh, P(entry)))
+    matmul, mats = _per_device_matmul(mesh, axes, n)
 
     def timed_gather(elems):
         x = jax.device_put(jnp.ones((elems,), jnp.float32), NamedSharding(mesh, P(entry)))
@@ -110,8 +115,6 @@ def measure_overlap(mesh, axes, n: int = 512, repeats: int = 5) -> tuple[float, 
                                    out_specs=P(), check_vma=False))
         return x, _time(fn, x, repeats)
 
-    matmul = jax.jit(jax.shard_map(lambda a: (a[0] @ a[0])[None], mesh=mesh, in_specs=P(entry), out_specs=P(entry),
-                                   check_vma=False))
     f = _time(matmul, mats, repeats)
     elems = 2**18 // devices * devices
     _, c1 = timed_gather(elems)

@@ -17,7 +17,8 @@ import os
 import warnings
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-ORDERED_COLLECTIVES = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+ORDERED_COLLECTIVES = f"{SCHEDULER_FLAG}=false"
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -33,14 +34,14 @@ def simulate_cpu_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "").split()
     if not any(f.startswith(DEVICE_COUNT_FLAG) for f in flags):
         flags.append(f"{DEVICE_COUNT_FLAG}={n}")
-    if not any(f.startswith(ORDERED_COLLECTIVES.split("=")[0]) for f in flags):
+    if not collectives_ordered():
         flags.append(ORDERED_COLLECTIVES)
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def collectives_ordered() -> bool:
     """Whether ``XLA_FLAGS`` sets XLA:CPU's scheduler (:data:`ORDERED_COLLECTIVES`, or its other value)."""
-    return ORDERED_COLLECTIVES.split("=")[0] in os.environ.get("XLA_FLAGS", "")
+    return SCHEDULER_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
 _warned = []

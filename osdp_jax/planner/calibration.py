@@ -67,11 +67,12 @@ class ProbeKind(enum.Enum):
         at_use = info.path in problem.in_loop or info.path in problem.units
         if self is ProbeKind.LAST:
             return at_use and problem.units.get(info.path) != problem.last_unit
+        # LAYER, the remat probes and ZERO2_LAYER: the parameters gathered at use
         return {"R": False, "Z": True, "L": at_use, "S": True, "P": True, "T": False}.get(self.value, at_use)
-        # LAYER, the remat probes, ZERO2_LAYER: the parameters gathered at use
 
     def zero2(self, info, problem: Problem) -> bool:
-        """Whether this probe makes ``info`` zero2: the ZERO2 probe, its per-step parameters."""
+        """Whether this probe makes ``info`` zero2: the ZERO2 and ZERO2_LAYER probes, their per-step
+        parameters."""
         return (self in (ProbeKind.ZERO2, ProbeKind.ZERO2_LAYER)
                 and not (info.path in problem.in_loop or info.path in problem.units))
 
