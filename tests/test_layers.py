@@ -4,6 +4,7 @@ import dataclasses
 import json
 import pathlib
 
+import foreign
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -387,8 +388,7 @@ def test_remat_is_searched_per_layer_and_recorded_in_the_plan():
 def test_remat_memory_predicted_against_xla_within_10_percent():
     """Each remat policy's plan, and one that mixes them, predicted against XLA's compiled peak at
     batch 64 (the remat terms are fitted at 16 and 64 on the step with the stack zero3): within
-    10% (measured: full 0.0%, dots +3.1%, none +1.2%; before "none" stopped saving the gathered
-    weights, see _stack.save_all_but_gathered, its plan was 10.1% high)."""
+    10% (measured: full 0.0%, dots +6.4%, none +5.2%)."""
     _, params, loss_fn, batch = toy.stack_setup(n_layer=4)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -405,13 +405,36 @@ def test_remat_memory_predicted_against_xla_within_10_percent():
         peaks[policy] = p.xla_peak_bytes
     assert peaks["full"] < peaks["dots"] < peaks["none"]
     mixed = plan(int((peaks["full"] + peaks["none"]) / 2), osdp_jax.layers.REMAT_POLICIES)
-    # a stack replicated under "dots"/"none" is over-predicted (docs/limitations.md: its saved
-    # activations are charged on top of its replicated gradients, which XLA overlaps): 10%, not 5%
+    # every layer under one policy is over-predicted by design (ProbeKind.remat_layers: the probe
+    # mixes the policy with "full", whose backward transient is larger): up to 10% on this
+    # 4-layer stack, whose probe runs 2 of its 4 layers under the policy
     error = (mixed.predicted_peak_bytes - mixed.xla_peak_bytes) / mixed.xla_peak_bytes
     assert -0.05 <= error <= 0.10, mixed.summary()
     assert mixed.xla_peak_bytes <= mixed.budget_bytes
     # every probe was compiled by an earlier plan: in-process cache, only verification compiles
     assert mixed.compiles <= 2 < compiles[0], (compiles, mixed.compiles)
+
+
+def test_a_replicated_stack_is_charged_its_saved_activations_or_its_update_buffers_not_both():
+    """A SwiGLU/RMSNorm stack with GQA-free bias-free attention (tests/foreign.py), planned at
+    budgets 30%, 55% and 80% of the way from its FSDP peak to its DDP peak: the plans save
+    activations ("dots") in layers whose gradients are replicated, and each is predicted within 5%
+    of XLA's peak. Charged the sum of the two (the saved activations on top of the all-reduce and
+    update buffers, which XLA allocates after the loop has freed them) they were 11-14% over."""
+    params, loss_fn, batch = foreign.swiglu_lm(layers=4, d=64, ffn=176, vocab=256, batch=16, seq=16)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    opt = optax.adam(1e-3)
+    in_loop = osdp_jax.discover(loss_fn, params, batch)[0]
+    ddp, fsdp = (osdp_jax.profile_step(loss_fn, opt, params, batch, mesh, layout).peak_bytes
+                 for layout in (Layout.ddp(params, mesh), Layout.fsdp(params, mesh, in_loop=in_loop)))
+    policies = set()
+    for share in (0.3, 0.55, 0.8):
+        p = osdp_jax.plan(params, mesh, budget=int(fsdp + share * (ddp - fsdp)), loss_fn=loss_fn, batch=batch,
+                          optimizer=opt)
+        error = (p.predicted_peak_bytes - p.xla_peak_bytes) / p.xla_peak_bytes
+        assert abs(error) <= 0.05 and p.xla_peak_bytes <= p.budget_bytes, (share, error, p.summary())
+        policies |= {(s[2], s[4]) for segs in p.segments.values() for s in segs}
+    assert ("replicate", "dots") in policies, policies
 
 
 def test_step_flops_count_every_layer_of_a_loop():

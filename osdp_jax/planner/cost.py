@@ -33,7 +33,12 @@ XLA:CPU's scheduler starts those gathers at the top of the step.)
 *Gathered per layer* (a stacked parameter the model runs through ``osdp_jax.layers.scan``,
 a scanned, rematerialised layer loop): one layer's slice is alive at a time, so making
 such a parameter zero3 takes its gradient and all-reduce buffer out of temp at a small cost;
-measured, temp falls linearly, by kappa bytes per parameter byte.
+measured, temp falls linearly, by kappa bytes per parameter byte. Of a replicated (or zero2)
+stacked parameter's kappa p, p is its gradient, which the backward loop fills layer by layer, and
+the rest, (kappa - 1)+ p (``CostTables.after_loop``), the buffers of its all-reduce and update,
+alive only after the loop. The activations a remat policy saves (``_segments``) are alive only
+in the loop, so the two share memory: a stack costs ``max(sum (kappa - 1)+ p, sum A_policy)``, not
+their sum (``_segments.expand``).
 
 Over the top-level (per-step) parameters T and the per-layer ones L::
 
@@ -142,6 +147,8 @@ class CostTables:
     base_time: float
     two_stage: np.ndarray  # [i, s]: zero3 collectives in two stages (faster there)
     overlap: float = 0.0  # the share of base_time the items' seconds run behind (Hardware.overlap)
+    after_loop: np.ndarray | None = None  # [i]: bytes of a layer-stacked parameter's whole-gradient
+    #                                      temp alive only after its loop, (kappa - 1)+ p (below)
 
 
 def step_seconds(base_time: float, items: float, overlap: float) -> float:
@@ -450,9 +457,10 @@ def cost_tables(infos: list[ParamInfo], available: np.ndarray, columns: tuple,
     # the search wants non-negative costs: move each row's smallest entry into the base
     shift = np.where(np.isfinite(mem), mem, np.inf).min(axis=1)
     mem -= shift[:, None]
+    after_loop = np.where(loop & ~unit, max(0.0, cal.kappa - 1.0) * p, 0.0)
     return CostTables(columns, time, mem, pools, float(base_mem + shift.sum()),
                       cal.compute_scale * r.flops / hw.flops if calibration is not None else 0.0, two_stage,
-                      hw.overlap)
+                      hw.overlap, after_loop)
 
 
 class _Sizes(NamedTuple):

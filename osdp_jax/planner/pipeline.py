@@ -717,7 +717,8 @@ def _pool_sums(candidate) -> tuple[float, float]:
     """The candidate's two transient pools (replicated-gradient buffer, per-step gathered weights)."""
     _, _, sol, items, _, _ = candidate
     idx = np.arange(len(sol.choices))
-    a, b = items.pools[idx, sol.choices].sum(axis=0)[:2]
+    pools = items.pools if items.step_pools is None else items.step_pools
+    a, b = pools[idx, sol.choices].sum(axis=0)[:2]
     return float(a), float(b)
 
 

@@ -59,6 +59,7 @@ class Items:
     units: tuple = ()  # per unit item ("unit", u): its parameters' indices
     unit_cols: tuple = ()  # [u][column]: each of its parameters' column when the unit takes it
     overlap: float = 0.0  # as CostTables.overlap
+    step_pools: np.ndarray | None = None  # the tables' pools per item (``pools`` crossed with the loop's, or them)
 
 
 def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), per_layer: bool = True) -> Items:
@@ -66,11 +67,23 @@ def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), 
     stack. ``remat``: policy -> ``(bytes, seconds)`` per layer at this batch size, relative to
     "full" (None: only "full").
     Without ``per_layer``, one item per stacked parameter and one remat item per stack: every
-    layer of a stack alike (one segment)."""
+    layer of a stack alike (one segment).
+
+    A policy's saved activations live in the backward loop, a replicated stacked gradient's
+    buffers other than the gradient itself after it (``CostTables.after_loop``): where both
+    occur, they are two loop pools, ``max(sum after_loop, sum A)``, crossed with the tables' pools
+    (:func:`_cross_pools`: ``max_x X + max_y Y`` is the max over the pairs (x, y) of X + Y)."""
     policies = tuple(p for p in policies if p == "full" or p in (remat or {})) or ("full",)
     n_cols, n_rem = len(tables.columns), len(policies)
     stacked = {p for stack in problem.stacks for p in stack}
-    rows_t, rows_m, rows_p, owner, weight = [], [], [], [], []
+    saved = np.array([[remat[p][0] if p != "full" else 0.0 for p in policies]
+                      for _ in problem.stacks]).reshape(len(problem.stacks), n_rem)
+    after = tables.after_loop if tables.after_loop is not None else np.zeros(len(problem.infos))
+    stacked_after = [after[k] for k, i in enumerate(problem.infos) if i.path in stacked]
+    pooled = bool((saved > 0).any() and (saved >= 0).all() and any(a > 0 for a in stacked_after))
+    whole = np.array([c[0] in ("replicate", "zero2") for c in tables.columns] + [False] * n_rem)
+    rows_t, rows_m, rows_p, rows_l, owner, weight = [], [], [], [], [], []
+    moved = 0.0  # bytes moved from the items' memory into the base (the search wants costs >= 0)
     pad = np.full(n_rem, np.inf)
     groups: dict = {}
     for k, info in enumerate(problem.infos):
@@ -79,9 +92,16 @@ def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), 
             continue
         layers = info.shape[0] if info.path in stacked else 1
         per = _items(layers) if per_layer else 1
+        loop_pool = np.zeros((n_cols + n_rem, 2))
+        if pooled and info.path in stacked:
+            loop_pool[whole, 0] = after[k]
         rows_t += [np.concatenate([tables.time[k] / per, pad])] * per
-        rows_m += [np.concatenate([tables.mem[k] / per, pad])] * per
+        row = np.concatenate([tables.mem[k], pad]) - loop_pool[:, 0]
+        least = row[np.isfinite(row)].min() if loop_pool.any() else 0.0
+        moved += least
+        rows_m += [(row - least) / per] * per
         rows_p += [np.concatenate([tables.pools[k] / per, np.zeros((n_rem, tables.pools.shape[2]))])] * per
+        rows_l += [loop_pool / per] * per
         owner += [("layer" if info.path in stacked else "param", k)] * per
         weight += [layers // per] * per
     units, unit_cols = [], []
@@ -97,27 +117,42 @@ def expand(problem, tables: CostTables, remat: dict | None, policies=("full",), 
             rows.append(np.concatenate([np.where(ok, row, np.inf), pad]))
         pools = np.array([sum(tables.pools[m, mc] for m, mc in zip(members, cols[c])) for c in range(n_cols)])
         rows_p.append(np.concatenate([pools, np.zeros((n_rem, tables.pools.shape[2]))]))
+        rows_l.append(np.zeros((n_cols + n_rem, 2)))
         owner.append(("unit", u))
         weight.append(1)
         units.append(tuple(members))
         unit_cols.append(cols)
-    base_time, base_mem = tables.base_time, tables.base_mem
+    base_time, base_mem = tables.base_time, tables.base_mem + moved
     for s, stack in enumerate(problem.stacks):
         layers = problem.stack_layers(s)
-        m = np.array([remat[p][0] if p != "full" else 0.0 for p in policies])
+        m = saved[s]
         tt = np.array([remat[p][1] if p != "full" else 0.0 for p in policies])
+        loop_pool = np.zeros((n_cols + n_rem, 2))
+        if pooled:  # the saved activations go to the loop's pool, whole
+            loop_pool[n_cols:, 1] = m * layers
+            m = np.zeros(n_rem)
         base_mem, base_time = base_mem + layers * m.min(), base_time + layers * tt.min()
         m, tt = m - m.min(), tt - tt.min()
         per = _items(layers) if per_layer else 1
         rows_t += [np.concatenate([np.full(n_cols, np.inf), tt * layers / per])] * per
         rows_m += [np.concatenate([np.full(n_cols, np.inf), m * layers / per])] * per
         rows_p += [np.zeros((n_cols + n_rem, tables.pools.shape[2]))] * per
+        rows_l += [loop_pool / per] * per
         owner += [("remat", s)] * per
         weight += [layers // per] * per
     columns = (*tables.columns, *(("remat", p) for p in policies))
-    return Items(columns, np.array(rows_t), np.array(rows_m), np.array(rows_p), base_mem, base_time,
+    step_pools = np.array(rows_p)
+    pools = _cross_pools(step_pools, np.array(rows_l)) if pooled else step_pools
+    return Items(columns, np.array(rows_t), np.array(rows_m), pools, base_mem, base_time,
                  tables.two_stage, tuple(owner), policies, tuple(weight), tuple(units), tuple(unit_cols),
-                 tables.overlap)
+                 tables.overlap, step_pools)
+
+
+def _cross_pools(step_pools: np.ndarray, loop_pools: np.ndarray) -> np.ndarray:
+    """``(items, columns, X * Y)`` pools whose max over the last axis, summed over items, is the
+    max of the X step pools plus the max of the Y loop pools: pool (x, y) holds both."""
+    n, c, x = step_pools.shape
+    return (step_pools[:, :, :, None] + loop_pools[:, :, None, :]).reshape(n, c, x * loop_pools.shape[2])
 
 
 def param_columns(items: Items, choices) -> dict[int, int]:
