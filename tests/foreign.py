@@ -541,17 +541,24 @@ def lax_scanned(d=128, depth=6, batch=32, stack=False):
 
 class SwigluBlock(nn.Module):
     """A Llama-style decoder block: RMSNorm, bias-free ``DenseGeneral`` q/k/v/o with ``heads``
-    heads (causal attention), RMSNorm, SwiGLU ``gate``/``up``/``down``."""
+    query heads and ``kv_heads`` key/value heads (grouped-query attention when fewer; causal),
+    rotary position embeddings on q and k when ``rope``, RMSNorm, SwiGLU ``gate``/``up``/``down``."""
 
     d: int = 128
     ffn: int = 352
     heads: int = 4
+    kv_heads: int = 4
+    rope: bool = False
 
     @nn.compact
     def __call__(self, x):
         k = self.d // self.heads
         h = nn.RMSNorm()(x)
-        q, kk, v = (nn.DenseGeneral((self.heads, k), use_bias=False, name=n)(h) for n in ("q", "k", "v"))
+        q = nn.DenseGeneral((self.heads, k), use_bias=False, name="q")(h)
+        kk, v = (nn.DenseGeneral((self.kv_heads, k), use_bias=False, name=n)(h) for n in ("k", "v"))
+        if self.rope:
+            q, kk = _rotary(q), _rotary(kk)
+        kk, v = (jnp.repeat(t, self.heads // self.kv_heads, axis=2) for t in (kk, v))
         s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) / np.sqrt(k)
         mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1), v)
@@ -562,6 +569,16 @@ class SwigluBlock(nn.Module):
         return x + nn.Dense(self.d, use_bias=False, name="down")(jax.nn.silu(gate) * up)
 
 
+def _rotary(x, base: float = 10000.0):
+    """Rotary position embedding of ``x`` ``[batch, seq, heads, dim]`` (rotate-half form)."""
+    half = x.shape[-1] // 2
+    freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
 class SwigluLM(nn.Module):
     """An embedding, ``layers`` :class:`SwigluBlock` run by ``osdp_jax.layers.Stack``, RMSNorm and
     an LM head."""
@@ -570,16 +587,69 @@ class SwigluLM(nn.Module):
     d: int = 128
     ffn: int = 352
     layers: int = 12
+    heads: int = 4
+    kv_heads: int = 4
+    rope: bool = False
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(self.vocab, self.d)(tokens)
-        x = osdp_jax.layers.Stack(SwigluBlock(self.d, self.ffn), self.layers, name="blocks")(x)
+        block = SwigluBlock(self.d, self.ffn, self.heads, self.kv_heads, self.rope)
+        x = osdp_jax.layers.Stack(block, self.layers, name="blocks")(x)
         return nn.Dense(self.vocab, use_bias=False, name="head")(nn.RMSNorm()(x))
 
 
-def swiglu_lm(layers=12, d=128, ffn=352, vocab=1024, batch=32, seq=32):
+def swiglu_lm(layers=12, d=128, ffn=352, vocab=1024, batch=32, seq=32, heads=4, kv_heads=4, rope=False):
     """``(params, loss_fn, batch)`` of :class:`SwigluLM` on random tokens."""
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq + 1)), jnp.int32)
-    return _linen_classifier(SwigluLM(vocab, d, ffn, layers), {"x": tokens[:, :-1], "y": tokens[:, 1:]})
+    return _linen_classifier(SwigluLM(vocab, d, ffn, layers, heads, kv_heads, rope),
+                             {"x": tokens[:, :-1], "y": tokens[:, 1:]})
+
+
+def llama_lm(layers=8, d=128, ffn=344, vocab=1024, batch=32, seq=32):
+    """A MoE-free Llama-style LM: :func:`swiglu_lm` with 8 query heads over 2 key/value heads
+    (grouped-query attention) and rotary position embeddings."""
+    return swiglu_lm(layers, d, ffn, vocab, batch, seq, heads=8, kv_heads=2, rope=True)
+
+
+class VitStackBlock(nn.Module):
+    """A pre-LayerNorm ViT encoder block (linen): multi-head self-attention with biases, GELU MLP."""
+
+    d: int = 128
+    heads: int = 4
+    mlp: int = 512
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(self.heads, name="attn")(nn.LayerNorm()(x))
+        h = nn.gelu(nn.Dense(self.mlp, name="fc1")(nn.LayerNorm()(x)))
+        return x + nn.Dense(self.d, name="fc2")(h)
+
+
+class VitStack(nn.Module):
+    """Patch embedding (a strided ``Conv``), a class token, position embeddings, ``layers``
+    :class:`VitStackBlock` run by ``osdp_jax.layers.Stack``, LayerNorm and a classifier."""
+
+    d: int = 128
+    layers: int = 6
+    patch: int = 4
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, images):
+        x = nn.Conv(self.d, (self.patch, self.patch), strides=(self.patch, self.patch), name="patches")(images)
+        x = x.reshape(x.shape[0], -1, self.d)
+        cls = self.param("cls", nn.initializers.zeros, (1, 1, self.d))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, self.d)), x], axis=1)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], self.d))
+        x = osdp_jax.layers.Stack(VitStackBlock(self.d, mlp=4 * self.d), self.layers, name="blocks")(x)
+        return nn.Dense(self.classes, name="head")(nn.LayerNorm()(x[:, 0]))
+
+
+def vit_stack(layers=6, d=128, batch=32, size=16):
+    """``(params, loss_fn, batch)`` of :class:`VitStack` on random ``size`` x ``size`` RGB images."""
+    rng = np.random.default_rng(0)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, 10, batch), jnp.int32)}
+    return _linen_classifier(VitStack(d, layers), data)

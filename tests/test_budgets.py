@@ -36,6 +36,7 @@ def _tried(params, mesh, **kw):
         return e
 
 
+@pytest.mark.slow
 def test_plan_budgets_gives_plan_at_each_budget_with_the_later_compiles_done_ahead(mesh, monkeypatch):
     """``plan_budgets`` returns, per budget, the plan (or the error) ``plan()`` gives at that
     budget when planned one after the other, from the same empty caches, with the same number

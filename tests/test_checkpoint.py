@@ -140,6 +140,7 @@ def _kill_step(low: int, high: int) -> int:
     return step
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, uninterrupted, split_plan):
     # a mixed plan with split kernels, killed after an arbitrary step: the checkpoint before it
     # exists, and the steps after the checkpoint were logged past it
@@ -153,6 +154,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, uninter
     _same_run(out, uninterrupted, tmp_path)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_step_and_resumes_bit_identical(tmp_path, uninterrupted, split_plan,
                                                                  monkeypatch, capsys):
     out = tmp_path / "preempted"

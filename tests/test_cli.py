@@ -161,6 +161,7 @@ def test_compare_mini(tmp_path):
     assert (out / "comparison.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_compilation_cache_config_key(tmp_path):
     """plan.compilation_cache: the CLI's compiles (probes and the verified step) land in that
     folder, and the probes' figures in its probes/ folder; a second plan, a new process, reads
@@ -247,6 +248,7 @@ def test_budget_sweep_mini(tmp_path):
             assert osdp[r["budget_bytes"]]["predicted_samples_per_second"] >= 0.999 * r["predicted_samples_per_second"]
 
 
+@pytest.mark.slow
 def test_the_main_job_learns(tmp_path):
     """The README's main job, cut to 300 of its 600 steps: GPT-2 mini learns 2-digit addition. Its
     loss falls under a tenth of the first step's and over 80% of the held-out sums come out right

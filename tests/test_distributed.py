@@ -79,6 +79,7 @@ def test_launch_checks_a_plan_file_before_starting_processes(tmp_path, capsys):
         assert "osdp-jax launch: process" not in captured.err + captured.out and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_shows_up_stops_the_process():
     """Process 0 of 2 alone: it says what it waits for, and stops after its join timeout (2 s
     here; 60 s by default) instead of waiting forever. jax's coordination client aborts the
@@ -109,6 +110,7 @@ def _start_and_wait_for_steps(cmd, out, steps=2, timeout=300):
     return proc
 
 
+@pytest.mark.slow
 def test_two_processes_stop_together_on_sigterm_resume_and_equal_one(tmp_path):
     """Under launch (2 processes x 4 devices): SIGTERM to the launcher stops every process after
     the same step, with one checkpoint written together; the run resumes from it, and its losses
@@ -158,6 +160,7 @@ def test_a_second_signal_while_a_step_finishes_exits_at_once(monkeypatch, capsys
     assert "second SIGTERM: exiting at once" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once_and_keeps_the_checkpoints(tmp_path):
     out = tmp_path / "run"
     proc = _start_and_wait_for_steps(

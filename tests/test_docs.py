@@ -19,6 +19,7 @@ def blocks(text: str) -> list[str]:
 PAGES = sorted(p for p in DOCS.rglob("*.md") if blocks(p.read_text()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_runs_as_written(page):
     scope: dict = {"__name__": "__docs__"}

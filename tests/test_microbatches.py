@@ -91,6 +91,7 @@ def test_kept_weights_are_gathered_once_and_others_in_every_microbatch(mesh):
     assert kept == {("all-gather", "step"): kernels + 1, ("reduce-scatter", "step"): kernels + 1}, kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,budget", [("zero2", 5_000_000), ("zero3", 4_700_000)])
 def test_the_search_chooses_where_each_gradient_is_summed(mesh, strategy, budget):
     """Between the peaks of summing every gradient whole and in its shard (4 microbatches, an
@@ -145,6 +146,7 @@ def test_bad_microbatches_are_one_clear_error(mesh):
         config.load("experiments/gpt2_mini.toml", {"plan.microbatches": "3", "plan.batch_sizes": "32"})
 
 
+@pytest.mark.slow
 def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh):
     """At the one batch size asked for, no plan of replicate/zero3/hsdp fits the budget; with
     microbatches the planner runs it as m microbatches, which fits by XLA, is predicted within
@@ -173,6 +175,7 @@ def test_a_budget_no_plan_meets_at_the_largest_batch_is_met_by_accumulation(mesh
         osdp_jax.plan(params, mesh, budget=budget, microbatches=(0,), **kw)
 
 
+@pytest.mark.slow
 def test_a_stack_with_a_zero2_segment_accumulates_like_the_whole_batch(mesh):
     """A layer stack whose first layer is zero2 and second zero3: with microbatches, the zero2
     segment's gradient is summed whole and reduce-scattered once, the zero3 one's in each

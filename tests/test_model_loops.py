@@ -18,6 +18,7 @@ SCANNED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCANNED))
 def test_a_stack_of_the_models_own_is_gathered_per_layer_like_layers_stack(mesh, name):
     """Unmodified, the model's own scan is found (paths its own), its all-ZeRO-3 peak is within
@@ -41,6 +42,7 @@ def test_a_stack_of_the_models_own_is_gathered_per_layer_like_layers_stack(mesh,
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_planner_plans_an_nn_scan_stack_per_layer(mesh):
     """``plan()`` on an ``nn.scan`` + ``nn.remat`` stack: the stack's parameters are model_loop,
     planned per layer in segments, the plan fits by XLA's figure and trains like one device; the

@@ -21,6 +21,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_a_users_own_step_on_the_drop_in_fits_the_budget_and_trains_like_one_device(mesh, family):
     """At a budget halfway between the DDP and FSDP peaks, the user's own jitted step built on
@@ -130,6 +131,7 @@ def test_orbax_round_trip_through_the_plans_shardings_is_bit_identical(mesh, tmp
             == [x.sharding for x in jax.tree.leaves(p_target)])
 
 
+@pytest.mark.slow
 def test_equinox_units_are_the_blocks_and_train_like_one_device(mesh):
     """``osdp_jax.units.mark`` on an unmodified Equinox model: its list of blocks are the units
     (paths unchanged), and FSDP at those units trains like one device through ``make_train_step``

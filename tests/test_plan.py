@@ -292,6 +292,7 @@ def test_measure_time_scales_the_time_model(mesh, setup):
     assert timed.predicted_step_seconds > 5 * modelled.predicted_step_seconds
 
 
+@pytest.mark.slow
 def test_nnx_python_loop_vit_mid_budget_fits_and_minimum_is_honest(mesh):
     """A flax.nnx ViT with a Python loop of blocks, default split counts: at a budget halfway
     between its FSDP and DDP peaks a plan that fits is returned (its first plan, costed with the
@@ -441,6 +442,7 @@ def test_only_a_plan_predicted_near_its_budget_is_checked_as_a_probe_first(mesh,
     assert plans[0.0].layout == plans[10.0].layout and plans[0.0].xla_peak_bytes == plans[10.0].xla_peak_bytes
 
 
+@pytest.mark.slow
 def test_probes_compiled_for_their_figures_give_the_figures_of_a_full_compile(mesh):
     """A step compiled without the backend's LLVM optimisation (``FIGURES_ONLY``): XLA's memory
     figures and cost analysis are the same as a fully optimised compile's, on a layer stack with
@@ -653,6 +655,7 @@ def test_a_kept_step_is_found_without_tracing_it_again(mesh, setup):
         assert again == first
 
 
+@pytest.mark.slow
 def test_budget_least_gives_the_least_memory_plan(mesh):
     """``budget="least"``: a plan at the least budget any plan needs, fitting by XLA's figure; no
     plan fits 1% under it, and a generous budget's plan needs more."""

@@ -172,6 +172,7 @@ def test_an_unsplit_kernel_used_outside_its_dense_layer_is_gathered_there(mesh):
         _grads_by_step(params, loss_fn, mesh, specs, {"proj/kernel": 2}, batch)
 
 
+@pytest.mark.slow
 def test_a_split_stack_kernel_under_dots_remat_keeps_one_product(mesh):
     """Under the "dots" remat policy a split layer-stack kernel's product is kept once, as an
     unsplit one's is (``SPLIT_NAME``), not each slice's running sum: XLA's peak does not grow

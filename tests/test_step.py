@@ -315,6 +315,7 @@ def test_abstract_state_is_what_orbax_restores_onto(mesh, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_optimizers_that_mask_parameters_or_factor_their_state_plan_and_train_like_one_device(mesh):
     """optax.multi_transform with a frozen parameter (``set_to_zero``: its state is an
     optax.MaskedNode), adamw's masked weight decay, optax.MultiSteps, and optax.adafactor (a row
@@ -340,6 +341,7 @@ def test_optimizers_that_mask_parameters_or_factor_their_state_plan_and_train_li
     np.testing.assert_array_equal(np.asarray(sharded["emb"]), np.asarray(params["emb"]))
 
 
+@pytest.mark.slow
 def test_an_optimizer_that_is_not_elementwise_plans_and_trains_on_an_explicit_mesh(mesh):
     """optax.contrib.muon orthogonalises each gradient matrix (products of it with its transpose).
     On a ZeRO-3 shard an Explicit mesh's sharding rules refused that: jax.make_mesh's default

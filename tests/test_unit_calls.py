@@ -43,6 +43,7 @@ def test_find_units_in_unmodified_models(mesh):
         osdp_jax.units.mark({"w": np.ones(3)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_units_train_like_one_device(mesh, name):
     params, loss_fn, batch = MODELS[name]()
@@ -61,6 +62,7 @@ def test_units_train_like_one_device(mesh, name):
     np.testing.assert_allclose(got, one, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["linen-einsum-tied", "nnx-vit"])
 def test_units_bound_the_gathered_weights(mesh, name):
     """With units, the FSDP peak is the parameter, gradient and optimizer shards, plus the
@@ -112,6 +114,7 @@ def foreign_width(name, x) -> int:
     return x.shape[1] * 64 if name == "linen-einsum-tied" else (x.shape[1] // 4) * (x.shape[2] // 4) * 64
 
 
+@pytest.mark.slow
 def test_plan_uses_units_where_only_they_fit(mesh):
     """A budget under the FSDP peak without units: the plan gathers at units (each decided whole),
     fits by XLA and is predicted within 5% of XLA's peak by the probe-fitted terms; the JSON keeps
@@ -133,6 +136,7 @@ def test_plan_uses_units_where_only_they_fit(mesh):
                       units=())
 
 
+@pytest.mark.slow
 def test_pool_overlap_fitted_on_a_compiled_plan_predicts_the_next(mesh):
     """On a mixed plan of a model written elsewhere, XLA keeps the replicated gradients' all-reduce
     buffer and the weights gathered per step alive together (overlap 1, not the max of the two):
@@ -150,6 +154,7 @@ def test_pool_overlap_fitted_on_a_compiled_plan_predicts_the_next(mesh):
     assert abs(second.predicted_peak_bytes - second.xla_peak_bytes) <= 0.05 * second.xla_peak_bytes
 
 
+@pytest.mark.slow
 def test_a_model_without_a_layer_stack_starts_from_the_overlap_of_one(mesh, monkeypatch):
     """A model with no layer stack gathers its per-step weights outside any loop, so its first
     plan is costed with the pool overlap at ``NO_LOOP_OVERLAP`` (1), not 0: the einsum LM's first
@@ -174,6 +179,7 @@ def test_a_model_without_a_layer_stack_starts_from_the_overlap_of_one(mesh, monk
     assert from_zero.layout == prior.layout and prior.xla_peak_bytes <= prior.budget_bytes
 
 
+@pytest.mark.slow
 def test_a_stored_pool_overlap_that_misses_a_plan_is_fitted_again(mesh):
     """The overlap fitted on a model's first mixed plan is kept for its later plans, but when a
     compiled plan's prediction with it misses XLA's peak by more than 5%, it is fitted again on
@@ -195,6 +201,7 @@ def test_a_stored_pool_overlap_that_misses_a_plan_is_fitted_again(mesh):
     assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.05 * plan.xla_peak_bytes
 
 
+@pytest.mark.slow
 def test_units_savings_scaled_to_a_compiled_plan_that_misses(mesh):
     """Units' savings do not add, so a plan with units that
     its compile shows more than 5% off scales them to that compile (kept per model, like the
@@ -221,6 +228,7 @@ def test_units_savings_scaled_to_a_compiled_plan_that_misses(mesh):
     assert abs(plan.predicted_peak_bytes - plan.xla_peak_bytes) <= 0.05 * plan.xla_peak_bytes
 
 
+@pytest.mark.slow
 def test_the_unit_called_last_is_probed_on_its_own(mesh):
     """The einsum LM of the foreign-models benchmark (4 blocks), between the FSDP peaks with and
     without units: the plan shards 3 of the 4 units, keeps the last one replicated, fits by XLA
@@ -323,6 +331,7 @@ def _ddp_and_units(params, state, loss_fn, batch, units, opt, steps, mesh):
     return runs
 
 
+@pytest.mark.slow
 def test_units_with_batch_statistics_train_like_ddp_and_plan(mesh):
     """A linen ResNet with BatchNorm (``foreign.resnet_bn``): its blocks are units, their new
     statistics leaving each unit as outputs and going back into the model's scope. Training with
@@ -383,6 +392,7 @@ def test_plan_takes_the_train_steps_loss_with_aux_rng_and_state(mesh):
         osdp_jax.plan(params, mesh, loss_fn=lambda p, b: (loss_fn(p, b), {}), **kw)
 
 
+@pytest.mark.slow
 def test_nnx_units_with_batch_statistics_and_dropout_train_like_ddp(mesh):
     """An nnx model whose marked blocks hold BatchNorm statistics and dropout rng state
     (``foreign.nnx_bn_mlp``): each unit's other state leaves it as an output and is written back
@@ -430,6 +440,7 @@ def _counted_plain_mlp(calls, layers=3, d=16, batch=8):
     return params, loss_fn, jnp.ones((batch, d))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,layout", [("nnx", "ddp"), ("nnx", "units"), ("plain", "units")])
 def test_identical_units_are_traced_once_per_step_and_compile_the_same(mesh, monkeypatch, model, layout):
     """The Python of an nnx unit, or of a ``@osdp_jax.units.unit`` function, runs once per step

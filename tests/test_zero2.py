@@ -30,6 +30,7 @@ def _error(plan) -> float:
     return (plan.predicted_peak_bytes - plan.xla_peak_bytes) / plan.xla_peak_bytes
 
 
+@pytest.mark.slow
 def test_zero2_memory_predicted_and_chosen_between_the_zero2_and_replicate_peaks(stack, mesh):
     """All-zero2 is predicted within 5% of XLA's peak (xi fitted on the zero2 probe). At a budget
     halfway between the all-zero2 and all-replicate peaks, the search over replicate, zero3 and
