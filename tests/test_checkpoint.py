@@ -217,6 +217,7 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, unint
     _same_run(out, uninterrupted, tmp_path)
 
 
+@pytest.mark.slow
 def test_restore_on_four_devices_under_another_plan(uninterrupted):
     cfg = config.load(CONFIG, {"plan.batch_sizes": "32"})
     s = runner.setup(cfg)
@@ -281,6 +282,7 @@ def test_restore_under_another_segmentation_and_device_count(uninterrupted, spli
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_refused(tmp_path, uninterrupted, capsys):
     code = cli.main(["train", "experiments/opt_mini.toml", "--out", str(uninterrupted), "--resume",
                      "--steps", "8", "--plan.batch_sizes=32"])
@@ -394,6 +396,7 @@ def test_damaged_newest_checkpoint_is_one_line_and_changes_nothing(tmp_path, uni
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_resume_from_the_previous_checkpoint_moves_the_damaged_one_aside(tmp_path, uninterrupted, monkeypatch,
                                                                          capsys):
     run = tmp_path / "run"

@@ -5,12 +5,11 @@ import pytest
 
 from osdp_jax.cli import main as cli
 
-# gpt2 in the default run; the other two (same code path, ~25 s each) with -m slow
-MINI = ["experiments/gpt2_mini.toml",
-        pytest.param("experiments/opt_mini.toml", marks=pytest.mark.slow),
-        pytest.param("experiments/bert_mini.toml", marks=pytest.mark.slow)]
+# the three minis, ~25 s each, with -m slow
+MINI = ["experiments/gpt2_mini.toml", "experiments/opt_mini.toml", "experiments/bert_mini.toml"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", MINI)
 def test_train_two_steps(tmp_path, config, capsys):
     out = tmp_path / "run"

@@ -2,6 +2,7 @@
 oldest and the newest JAX the package supports."""
 import jax
 import jax.numpy as jnp
+import pytest
 
 from osdp_jax.core.compat import scan_operand_counts, supported_compile_options, supported_xla_flags
 
@@ -45,6 +46,7 @@ def test_compile_options_the_running_xla_does_not_know_are_left_out():
     jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile(compiler_options=kept)
 
 
+@pytest.mark.slow
 def test_xla_flags_the_installed_xla_does_not_know_are_left_out():
     flags = ["--xla_force_host_platform_device_count=2", "--xla_no_such_flag_here=true"]
     assert supported_xla_flags(flags) == ["--xla_force_host_platform_device_count=2"]

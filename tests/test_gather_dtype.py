@@ -59,6 +59,7 @@ def test_bf16_gathers_keep_fp32_masters_and_train_like_one_device_in_bf16(mesh):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_compute_dtype_plan_predicted_within_10_percent_and_gathers_half_the_bytes(mesh):
     _, params, loss_fn, batch = toy.stack_setup(n_layer=4)
     # a bandwidth-bound link (no latency): the modelled collective seconds halve exactly

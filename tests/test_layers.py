@@ -249,6 +249,7 @@ def test_budget_between_two_stack_uniform_plans_is_met_by_segments():
     assert checked
 
 
+@pytest.mark.slow
 def test_a_segment_gain_takes_the_one_segment_plan_unless_each_segment_brings_it():
     """With ``segment_gain`` g, a plan that cuts the stack into s segments is taken only if its
     predicted samples/s beat the best plan with every layer alike by ``(1 + g) ** (s - 1)``: just

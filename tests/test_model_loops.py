@@ -62,6 +62,7 @@ def test_the_planner_plans_an_nn_scan_stack_per_layer(mesh):
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_models_own_remat_is_kept_under_every_plan_policy(mesh):
     """Under ``nn.remat`` (nothing saveable) the body keeps nothing whatever the segment's policy:
     its peak under "none" is the "full" one, and under the peak of the same model without

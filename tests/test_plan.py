@@ -580,6 +580,7 @@ def test_a_loss_written_again_finds_its_probes(mesh):
     assert again.layout == first.layout
 
 
+@pytest.mark.slow
 def test_a_miss_leaves_its_error_free_in_the_next_plans_of_the_model(mesh, monkeypatch, request):
     """XLA needing 8% over the model on every plan (a fake, on top of the compile; no pool overlap
     fitted to absorb it): the first plan misses, and its error, as a share of its prediction, is

@@ -73,6 +73,7 @@ def test_a_damaged_file_is_a_miss_and_is_written_again(mesh, store):
     assert not list(store.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_another_mesh_or_another_osdp_jax_reads_nothing(mesh, store, monkeypatch):
     """The files are keyed by the devices and by osdp_jax's own source, as well as by the loss,
     the optimizer state, the parameters, the probe's layout and the batch."""
