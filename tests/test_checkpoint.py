@@ -244,6 +244,7 @@ def test_restore_on_four_devices_under_another_plan(uninterrupted):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_restore_under_another_segmentation_and_device_count(uninterrupted, split_plan):
     """The run was written under split_plan's segments (layer 0 replicated, layer 1 zero3): it
     restores, with identical values, under the reverse segmentation on 4 devices (layer 0 zero3,
@@ -298,6 +299,7 @@ def test_existing_run_without_resume_is_refused(uninterrupted, capsys):
     assert (uninterrupted / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "nan"
     # what is tested is the divergence check, not planning: an all-replicated plan, nothing compiled
@@ -377,6 +379,7 @@ def _one_error(capsys) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damaged_newest_checkpoint_is_one_line_and_changes_nothing(tmp_path, uninterrupted, damage, capsys,
                                                                    monkeypatch):

@@ -130,6 +130,7 @@ def test_a_count_that_is_not_positive_is_refused(argv, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"must be a positive integer, got {argv[-1]!r}")
 
 
+@pytest.mark.slow
 def test_infeasible_budget_is_one_clear_line(capsys):
     assert cli.main(["plan", "experiments/gpt2_mini.toml", "--budget", "10KiB", "--plan.batch_sizes=8",
                      "--plan.remat=full", "--plan.splits=1"]) == 2

@@ -42,6 +42,7 @@ def _run(params, loss_fn, layout, mesh, batch, m, steps=3):
     return losses, p
 
 
+@pytest.mark.slow
 def test_microbatches_train_like_the_whole_batch_with_less_memory(mesh):
     params, loss_fn = toy.linen_setup(boxed=False)
     batch = toy.tokens(64)

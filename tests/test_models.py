@@ -46,6 +46,7 @@ def test_block_matches_plain_jax():
 # tests/test_layers.py::test_segments_with_different_strategies_splits_and_remat_train_like_one_device
 
 
+@pytest.mark.slow
 def test_stacked_kernels_gathered_once_per_step_match_one_device(mesh):
     """Every parameter zero3 but the stacked layer weights gathered before the loss, not per
     layer (in_loop empty, as gather_memory.py compares): the stacked dense kernels are not

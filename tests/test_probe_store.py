@@ -37,6 +37,7 @@ def store(tmp_path):
     _probe_store.disable()
 
 
+@pytest.mark.slow
 def test_a_new_process_reads_every_probe_and_plans_the_same(mesh, store):
     """A cold plan writes one file per probe; planned again with nothing in memory, the same plan
     comes back from the files, with the verification the only compile."""

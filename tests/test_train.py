@@ -16,7 +16,8 @@ def mixed_plan(params, mesh, loss_fn, batch, optimizer):
     return plan, low, high
 
 
-@pytest.mark.parametrize("flavour", ["plain", "linen", pytest.param("linen-boxed", marks=pytest.mark.slow), "nnx"])
+@pytest.mark.parametrize("flavour", ["plain", pytest.param("linen", marks=pytest.mark.slow),
+                                     pytest.param("linen-boxed", marks=pytest.mark.slow), "nnx"])
 def test_sharded_training_matches_single_device(mesh, flavour, request):
     if flavour == "plain":
         request.getfixturevalue("default_emitters")  # its steps compiled as a user's are
