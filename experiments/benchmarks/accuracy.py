@@ -101,11 +101,26 @@ def main():
              f"Targets: predicted peak within {PEAK_TARGET:.0%} of XLA's" + ("." if args.peaks_only else
              f"; predicted step time within {WORST_STEP_TARGET:.0%} of the measured one at worst and "
              f"{MEDIAN_STEP_TARGET:.0%} at the median."), "",
-             "## The repository's minis", "",
-             "| model | budget | method | predicted peak / XLA peak | predicted step / measured step |",
-             "|---|---|---|---|---|"]
+             "## The repository's minis", ""]
     mem_err, time_err = [], []
-    for name, label, method, r in rows + stack_rows:
+    lines += _table(rows, mem_err, time_err)
+    if stack_rows:
+        lines += ["", "## Layer stacks written outside the repository (`tests/foreign.py`)", "",
+                  "Budgets: 30%, 55% and 80% of the way from the stack's FSDP peak to its DDP peak.", ""]
+        lines += _table(stack_rows, mem_err, time_err)
+    lines += ["", _verdict("Peak", mem_err, PEAK_TARGET, PEAK_TARGET, ".1%")]
+    if time_err:
+        lines.append(_verdict("Step time", time_err, WORST_STEP_TARGET, MEDIAN_STEP_TARGET, ".0%"))
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _table(rows: list, mem_err: list, time_err: list) -> list[str]:
+    """The markdown table of ``rows``; each row's peak and step-time errors appended to the lists."""
+    lines = ["| model | budget | method | predicted peak / XLA peak | predicted step / measured step |",
+             "|---|---|---|---|---|"]
+    for name, label, method, r in rows:
         if r is None:
             lines.append(f"| {name} | {label} | {method} | does not fit | - |")
             continue
@@ -114,18 +129,8 @@ def main():
         t = r["pred_step"] / r["meas_step"] if "meas_step" in r else None
         if t is not None:
             time_err.append(abs(t - 1))
-        if stack_rows and (name, label, method, r) == stack_rows[0]:
-            lines += ["", "## Layer stacks written outside the repository (`tests/foreign.py`)", "",
-                      "Budgets: 30%, 55% and 80% of the way from the stack's FSDP peak to its DDP peak.", "",
-                      "| model | budget | method | predicted peak / XLA peak | predicted step / measured step |",
-                      "|---|---|---|---|---|"]
         lines.append(f"| {name} | {label} | {method} | {m:.3f} | {'-' if t is None else f'{t:.2f}'} |")
-    lines += ["", _verdict("Peak", mem_err, PEAK_TARGET, PEAK_TARGET, ".1%")]
-    if time_err:
-        lines.append(_verdict("Step time", time_err, WORST_STEP_TARGET, MEDIAN_STEP_TARGET, ".0%"))
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 def _verdict(what: str, errors: list, worst: float, median: float, fmt: str) -> str:
