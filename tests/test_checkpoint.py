@@ -39,7 +39,9 @@ def _setup(args=ARGS):
     return runner.setup(config.load(CONFIG, overrides))
 
 
-@pytest.fixture(scope="module")
+# session-scoped: a pytest-xdist worker may run other modules' tests between this module's, which
+# would tear a module-scoped fixture down and train the run again
+@pytest.fixture(scope="session")
 def split_plan(tmp_path_factory):
     """A mixed plan with split kernels and layer segments, written by hand on the planner's
     parameter table (nothing compiled): the layer stack cut in two segments, layer 0 replicated
@@ -114,7 +116,7 @@ def _losses(run):
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory, split_plan):
     out = tmp_path_factory.mktemp("ckpt") / "full"
     runner.train(_setup(), out, plan=osdp_jax.Plan.from_json(split_plan.read_text()), progress=False)

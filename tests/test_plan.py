@@ -24,6 +24,7 @@ def setup():
     return toy.plain_params(), toy.plain_loss, toy.tokens(32), optax.adam(1e-3)
 
 
+@pytest.mark.slow
 def test_generous_budget_replicates_everything(mesh, setup, monkeypatch):
     """Where every parameter replicated at the largest batch size fits by XLA, that is the fastest
     plan the model can give (``_planner._replication_may_be_fastest``): its probe is compiled
@@ -96,6 +97,7 @@ def test_indivisible_and_scalar_parameters(mesh):
     assert sharded["tall"].addressable_shards[0].data.shape == (3, 2)
 
 
+@pytest.mark.slow
 def test_named_data_axis_not_first_and_explicit_mesh(setup):
     params, loss_fn, batch, opt = setup
     mesh = jax.make_mesh((1, 8), ("model", "batch"),
@@ -362,6 +364,7 @@ def test_training_reuses_the_verification_compile(mesh):
     assert reused and not fresh and reused_loss == fresh_loss
 
 
+@pytest.mark.slow
 def test_the_probes_with_and_without_units_compile_in_one_batch(mesh, monkeypatch):
     """A model with units is planned with them and without them, two problems with probes of
     their own: ``XlaCalibrator.compile_all`` compiles both problems' probes in one batch on the

@@ -77,7 +77,7 @@ def test_any_documented_options_end_in_a_plan_an_infeasible_budget_or_a_clear_er
         assert pp.split == 1 or pp.split in options["splits"]
 
 
-@pytest.mark.parametrize("splits", [(8,), (3,)])
+@pytest.mark.parametrize("splits", [(8,), pytest.param((3,), marks=pytest.mark.slow)])
 def test_a_split_count_a_parameter_cannot_take_leaves_it_unsplit(mesh, splits):
     """``splits=(8,)`` on a model whose LayerNorm vectors cannot split 8 ways (the regression of
     ``ValueError: item 0 has no available choice``), and ``(3,)``, which only some kernels can

@@ -58,6 +58,7 @@ def test_a_new_process_reads_every_probe_and_plans_the_same(mesh, store):
     assert sorted(store.glob("*.json")) == files  # nothing written again
 
 
+@pytest.mark.slow
 def test_a_damaged_file_is_a_miss_and_is_written_again(mesh, store):
     mid = int(0.7 * _plan(mesh, "64GB").xla_peak_bytes)  # under DDP's peak: every probe compiled
     _fresh_process()

@@ -204,6 +204,7 @@ class _NormBlocks(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_splits_without_1_split_every_kernel_that_can_and_leave_the_rest_unsplit(mesh):
     """``splits=(8,)`` (no 1) on a model whose units hold both splittable kernels and LayerNorm
     vectors: a plan, with every kernel split 8 ways and the vectors unsplit, fitting by XLA."""

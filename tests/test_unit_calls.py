@@ -31,6 +31,7 @@ def test_default_policy_layer_list_share_and_patterns():
         choose(calls, sizes, ["blocks/*"])
 
 
+@pytest.mark.slow
 def test_find_units_in_unmodified_models(mesh):
     params, loss_fn, batch = foreign.einsum_lm()
     units = osdp_jax.units.find(loss_fn, params, batch)
@@ -266,6 +267,7 @@ def test_saved_bytes_are_the_backward_passes_residuals_other_than_inputs():
     assert seen == [16 * 128 * 4]
 
 
+@pytest.mark.slow
 def test_units_share_the_measured_saving_by_their_activations(mesh):
     """A ResNet's blocks save activations 4:4:2:2:1:1 (the resolution halves while the width
     doubles) while their parameters grow the other way: the per-layer memory term counts each
