@@ -33,6 +33,7 @@ from osdp_jax.planner.cache import enable_compilation_cache
 from osdp_jax.planner.discover import discover, model_loops
 from osdp_jax.planner.pipeline import plan
 from osdp_jax.planner.search import InfeasibleBudgetError
+from osdp_jax.planner.tensor_pairs import tensor_roles
 from osdp_jax.runtime.gradient import value_and_grad
 from osdp_jax.runtime.place import (
                                     Shardings,
@@ -64,7 +65,7 @@ __all__ = [
     # layer-stack checkpoints
     "merge_segments", "cut_segments", "whole_target", "Segment", "Segmented",
     # layouts by hand, and what the planner sees
-    "Layout", "ParamLayout", "describe", "ParamInfo", "discover", "model_loops",
+    "Layout", "ParamLayout", "describe", "ParamInfo", "discover", "model_loops", "tensor_roles",
     # XLA's figures
     "compile_step", "profile_step", "profile_compiled", "StepProfile",
     # hardware and sizes

@@ -28,6 +28,7 @@ from osdp_jax.core.strategies import (
     spec_for,
     state_spec_for,
 )
+from osdp_jax.core.tensor import check_tensor, manual_spec, storage_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,8 @@ class ParamLayout:
     #                       (osdp_jax.core.strategies.accumulation)
     model_loop: bool = False  # an in_loop parameter sliced per iteration by the model's own jax.lax.scan
     #                           (Flax nn.scan, nnx.scan), which gathers one layer's slice per iteration
+    tensor: str = ""  # tensor parallelism over Layout.model_axis (osdp_jax.core.tensor): "column",
+    #                   "row", or "" (not split over it)
 
     @property
     def kept(self) -> bool:
@@ -145,6 +148,8 @@ class Layout:
     #                                once per step (to measure what per-layer gathering saves); else
     #                                such a stack is an error
     unit_remat: str = "full"  # what a unit saves for its backward pass (osdp_jax.units): a remat policy
+    model_axis: str | None = None  # the mesh axis the "column"/"row" kernels are split over (tensor
+    #                                parallelism, osdp_jax.core.tensor); None: no such axis
 
     @property
     def layout(self) -> "Layout":  # a Layout is its own layout, as a Plan has one
@@ -180,6 +185,11 @@ class Layout:
         return {pl.path: pl.unit for pl in self.params if pl.unit}
 
     @property
+    def tensor(self) -> dict[str, str]:
+        """Path -> ``"column"``/``"row"`` of every parameter split over :attr:`model_axis`."""
+        return {pl.path: pl.tensor for pl in self.params if pl.tensor}
+
+    @property
     def segments(self) -> dict[str, tuple[Segment, ...]]:
         """Path -> segments of every layer-stacked (``in_loop``) parameter."""
         return {pl.path: pl.segments for pl in self.params if pl.segments}
@@ -198,7 +208,7 @@ class Layout:
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
                    dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
                    units=None, unit_remat: str = "full", zero2=(), gather_dtype: str | None = None,
-                   accumulate=None, model_loop=()) -> "Layout":
+                   accumulate=None, model_loop=(), tensor=None, model_axis: str | None = None) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -221,8 +231,14 @@ class Layout:
         ``model_loop``: layer-stacked paths the model slices per iteration with a
         ``jax.lax.scan`` of its own (Flax ``nn.scan``, ``nnx.scan``; ``osdp_jax.model_loops``
         finds them); they are ``in_loop`` too (segments and remat as for those), unsplit, each
-        layer's slice gathered inside the model's loop (``runtime.model_loops``)."""
+        layer's slice gathered inside the model's loop (``runtime.model_loops``).
+        ``tensor``: path -> ``"column"`` or ``"row"``, tensor parallelism over the mesh axis
+        ``model_axis`` (default ``"model"``; it must not be a data-parallel axis, so pass
+        ``axis=``): a column kernel split on its output features, a row kernel on its input features
+        (``osdp_jax.core.tensor``); a parameter of a layer stack cannot take one."""
         axes = data_axes(mesh, axis)
+        tensor = dict(tensor or {})
+        model_axis = _model_axis(mesh, axes, model_axis, bool(tensor))
         infos = describe(params)
         if not isinstance(specs, dict) or not all(isinstance(v, P) for v in specs.values()):
             flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
@@ -235,7 +251,7 @@ class Layout:
         in_loop = set(in_loop) | set(segments) | model_loop
         units, accumulate, zero2 = dict(units or {}), dict(accumulate or {}), set(zero2)
         for what, named in (("segments name", segments), ("units name", units), ("accumulate names", accumulate),
-                            ("zero2 names", zero2), ("model_loop names", model_loop)):
+                            ("zero2 names", zero2), ("model_loop names", model_loop), ("tensor names", tensor)):
             unknown = sorted(set(named) - {i.path for i in infos})
             if unknown:
                 raise KeyError(f"{what} parameters the params do not have: {unknown[:3]}")
@@ -246,8 +262,9 @@ class Layout:
                              f"osdp_jax.layers.scan): it cannot also be gathered at a unit")
         named = _Named(specs, splits, segments, in_loop, units, accumulate, zero2, model_loop, set(two_stage),
                        set(dense))
-        params_ = [_param_layout(i, named, mesh, axes, remat, gather_dtype) for i in infos]
-        return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat))
+        params_ = [_tensor_layout(_param_layout(i, named, mesh, axes, remat, gather_dtype), i, tensor, mesh,
+                                  model_axis) for i in infos]
+        return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat), model_axis)
 
     @classmethod
     def ddp(cls, params, mesh, *, axis=None, in_loop=(), remat: str = "full") -> "Layout":
@@ -271,6 +288,35 @@ class Layout:
             specs[i.path] = spec if spec is not None else P()
         return cls.from_specs(params, mesh, specs, axis=axis, in_loop=in_loop, dense=dense, remat=remat,
                               units=units, unit_remat=unit_remat, gather_dtype=gather_dtype, model_loop=model_loop)
+
+
+def _model_axis(mesh, axes, model_axis: str | None, wanted: bool) -> str | None:
+    """The checked model axis of a layout with ``tensor`` roles (``wanted``), else None."""
+    if not wanted:
+        return None
+    model_axis = model_axis or "model"
+    if model_axis not in mesh.axis_names:
+        raise ValueError(f"tensor parallelism needs a model axis, but the mesh has no axis {model_axis!r} (its "
+                         f"axes are {list(mesh.axis_names)}); pass model_axis= one of them, e.g. "
+                         f"jax.make_mesh((2, 4), ('data', 'model')) with axis='data'")
+    if model_axis in axes:
+        raise ValueError(f"mesh axis {model_axis!r} is both data-parallel and the model axis: pass axis= the "
+                         f"data-parallel axes only, e.g. axis='data'")
+    return model_axis
+
+
+def _tensor_layout(pl: ParamLayout, info, tensor: dict, mesh, model_axis: str | None) -> ParamLayout:
+    """``pl`` with its tensor role from ``tensor``, checked."""
+    role = tensor.get(pl.path, "")
+    if not role:
+        return pl
+    why = ("layer-stacked" if pl.in_loop else pl.strategy if pl.strategy in ("zero2", "hsdp")
+           else f"split in {pl.split}" if pl.split > 1 else f"in unit {pl.unit!r}" if pl.unit else "")
+    if why:
+        raise ValueError(f"parameter {pl.path!r} is {why}: tensor parallelism applies to replicated or zero3 "
+                         f"parameters of dense layers outside layer stacks and units, unsplit")
+    check_tensor(pl.path, info.shape, role, pl.spec, model_axis, mesh.shape[model_axis])
+    return dataclasses.replace(pl, tensor=role)
 
 
 class _Named(NamedTuple):
@@ -367,7 +413,9 @@ def as_layout(plan_or_layout) -> Layout:
 def spec_tree(params, layout):
     """A tree shaped like the stored ``params`` (boxes and all) whose leaves are the planned specs:
     a :class:`Segmented` of the segments' specs where ``layout`` (a :class:`Layout`, or a dict of
-    path -> spec for unsegmented layouts) stores a parameter in segments."""
+    path -> spec for unsegmented layouts) stores a parameter in segments. A parameter split over
+    the layout's model axis has it in its spec (``core.tensor.storage_spec``); :func:`manual_specs`
+    leaves it out."""
     by_path = {pl.path: pl for pl in layout.params} if isinstance(layout, Layout) else None
 
     def spec(path, x):
@@ -390,8 +438,16 @@ def spec_tree(params, layout):
         if isinstance(x, Segmented):
             raise ValueError(f"parameter {name!r} is stored in layer segments {x!r} that the plan does not "
                              f"use: merge them first with osdp_jax.merge_segments, then shard under this plan")
-        return pl.spec
+        return storage_spec(pl.spec, np.shape(x), pl.tensor, layout.model_axis)
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_segmented)
+
+
+def manual_specs(specs, layout: Layout):
+    """``specs`` (a tree of ``PartitionSpec`` and :class:`Segmented` leaves) without the layout's
+    model axis: the ``in_specs`` of a ``shard_map`` manual over the data axes only."""
+    if not layout.model_axis:
+        return specs
+    return jax.tree.map(lambda s: manual_spec(s, layout.model_axis), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def state_spec_tree(params, layout: Layout, n: int):

@@ -40,6 +40,7 @@ class Found(NamedTuple):
     saved: dict = {}  # per possible unit, the activation bytes its calls save (runtime.units.saved_bytes)
     fingerprint: str = ""  # the loss's (:func:`fingerprint`)
     model_loop: frozenset = frozenset()  # paths of stacked parameters a jax.lax.scan of the model's own slices
+    dense_order: tuple = ()  # the kernels of ``dense``, in the order their dense layers are first called
 
 
 log = logging.getLogger("osdp_jax")
@@ -156,7 +157,8 @@ def _find(loss_fn, params, batch) -> Found:
             len(hidden), ", ".join(hidden[:3]))
     return Found(set(ctx.recorded_loop) | model_loop, ctx.recorded_split, stacks + model_stacks,
                  tuple(ctx.recorded_units), dict(ctx.recorded_saved),
-                 fingerprint(closed, jax.tree.structure(out), *found, model_stacks), model_loop)
+                 fingerprint(closed, jax.tree.structure(out), *found, model_stacks), model_loop,
+                 tuple(ctx.recorded_dense))
 
 
 def _model_stacks(jaxpr, params, taken: set) -> tuple[tuple[str, ...], ...]:

@@ -56,6 +56,18 @@ def _gather_bwd(dim, how, like, cotangent):
 gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+def gather_split(shard, dim: int, how: Collective, model=None):
+    """:func:`gather`, for a shard also split over a model axis (``model``: its ``PartitionSpec``
+    there, ``core.tensor``) by a nested ``shard_map`` manual over that axis: a data-axis collective
+    in a ``shard_map`` that leaves the model axis to XLA would otherwise gather the model split
+    too (XLA replicates an operand's automatic axes before a manual collective)."""
+    if model is None:
+        return gather(shard, dim, how)
+    axis = next(entry for entry in model if entry is not None)
+    return jax.shard_map(lambda part: gather(part, dim, how), in_specs=model, out_specs=model, axis_names={axis},
+                         check_vma=False)(shard)
+
+
 def device_index(axes):
     """This device's linear index over the data-parallel ``axes`` (inside shard_map)."""
     return jax.lax.axis_index(axes if len(axes) > 1 else axes[0])

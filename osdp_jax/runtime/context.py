@@ -17,8 +17,12 @@ import contextvars
 import dataclasses
 from typing import NamedTuple
 
+import jax
+from jax.sharding import PartitionSpec as P
+
 from osdp_jax.core.layout import Collective
-from osdp_jax.runtime.collectives import gather
+from osdp_jax.core.tensor import output_spec, storage_spec
+from osdp_jax.runtime.collectives import gather_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,12 @@ class SplitSpec:
     dim: int
     how: Collective
     k: int
+    model: P | None = None  # a kernel split over the model axis too (core.tensor): its gathered sharding
+
+    def gather(self, shard):
+        """The whole kernel from this device's ``shard``, all-gathered over the data axes (and kept
+        split over the model axis as :attr:`model` says)."""
+        return gather_split(shard, self.dim, self.how, self.model)
 
 
 class SplitEntry(NamedTuple):
@@ -72,7 +82,7 @@ class SplitKernel:
 
     def gathered(self):
         """The whole kernel, all-gathered here (the fallback of an unsplit kernel, k = 1)."""
-        return gather(self.shard, self.spec.dim, self.spec.how)
+        return self.spec.gather(self.shard)
 
     def __getattr__(self, name):
         # only reached for attributes a SplitKernel lacks (.T, .astype, .reshape, ...)
@@ -106,6 +116,7 @@ class StepContext:
     recording: bool = False  # discovery: record which parameters reach the hooks, change nothing
     recorded_loop: set = dataclasses.field(default_factory=set)
     recorded_split: set = dataclasses.field(default_factory=set)
+    recorded_dense: list = dataclasses.field(default_factory=list)  # discovery: kernel paths in first-call order
     recorded_stacks: list = dataclasses.field(default_factory=list)  # paths of each layers.scan call
     per_step: frozenset = frozenset()  # sharded parameters gathered whole before the loss
     units: dict = dataclasses.field(default_factory=dict)  # path -> the unit it is gathered at (runtime.units)
@@ -122,6 +133,9 @@ class StepContext:
     # (runtime.model_loops); loop_used: the paths a scan ran per iteration
     loop_placeholders: dict = dataclasses.field(default_factory=dict)  # id -> (placeholder, StackView)
     loop_used: set = dataclasses.field(default_factory=set)
+    tensor: dict = dataclasses.field(default_factory=dict)  # path -> "column"/"row" (core.tensor)
+    model_axis: str | None = None  # the mesh axis those kernels are split over
+    tensor_ids: dict = dataclasses.field(default_factory=dict)  # id(what the model gets) -> (it, role)
 
     def wrap(self, array, path: str):
         """What the model gets for parameter ``path``: a :class:`SplitKernel` if the plan splits it
@@ -132,13 +146,28 @@ class StepContext:
             self.kernels[id(array)] = (array, path)
             self.param_shapes[path] = tuple(getattr(array, "shape", ()))
             return array
+        role = self.tensor.get(path)
+        model = storage_spec(P(), array.shape, role, self.model_axis) if role else None
+        if model is not None:
+            array = jax.lax.with_sharding_constraint(array, model)
         entry = self.split.get(path)
         if entry is None:
-            return array
-        dim = entry.dim
-        shape = list(array.shape)
-        shape[dim] *= entry.n
-        return SplitKernel(array, tuple(shape), SplitSpec(dim, entry.how, entry.k), path)
+            out = array
+        else:
+            shape = list(array.shape)
+            shape[entry.dim] *= entry.n
+            out = SplitKernel(array, tuple(shape), SplitSpec(entry.dim, entry.how, entry.k, model), path)
+        if role:
+            self.tensor_ids[id(out)] = (out, role)
+        return out
+
+    def tensor_output(self, kernel, y):
+        """``y``, the output of a dense layer run on ``kernel``, sharded over the model axis as the
+        kernel's tensor role says (``core.tensor.output_spec``); as it is for any other kernel."""
+        hit = self.tensor_ids.get(id(kernel))
+        if hit is None or hit[0] is not kernel:
+            return y
+        return jax.lax.with_sharding_constraint(y, output_spec(y.ndim, hit[1], self.model_axis))
 
     def lookup(self, array) -> str | None:
         """The path of an array recorded during discovery, or None."""

@@ -33,6 +33,7 @@ from osdp_jax.core.layout import (
     as_layout,
     batch_specs,
     collective,
+    manual_specs,
     one_segment,
     spec_tree,
     state_spec_tree,
@@ -40,7 +41,8 @@ from osdp_jax.core.layout import (
 from osdp_jax.core.simulated import warn_if_collectives_may_race
 from osdp_jax.core.stack import Segmented, is_segmented
 from osdp_jax.core.strategies import accumulation, axes_size, axis_entry, sharded_dim
-from osdp_jax.runtime.collectives import device_index, gather
+from osdp_jax.core.tensor import storage_spec
+from osdp_jax.runtime.collectives import device_index, gather, gather_split
 from osdp_jax.runtime.context import SplitEntry, StepContext, active
 from osdp_jax.runtime.hooks import wrap_tree
 from osdp_jax.runtime.interception import intercepting
@@ -120,11 +122,13 @@ def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = Tr
             return placeholder(view) if name in loops else view
         if sharded_dim(s) is None or name in split_specs:
             return w
-        return gather(w, sharded_dim(s), how[name])
+        role = gathering.tensor.get(name)
+        model = storage_spec(P(), np.shape(w), role, gathering.model_axis) if role else None
+        return gather_split(w, sharded_dim(s), how[name], model)
 
     def run(p, *args, **kwargs):
         ctx = StepContext(split_specs, per_step=gathering.per_step, units=gathering.units,
-                          unit_remat=gathering.unit_remat)
+                          unit_remat=gathering.unit_remat, tensor=gathering.tensor, model_axis=gathering.model_axis)
         with active(ctx):
             used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs, is_leaf=is_segmented))
         for path, x in jax.tree_util.tree_flatten_with_path(used, is_leaf=lambda v: isinstance(v, StackView))[0]:
@@ -346,6 +350,8 @@ class _Gathering(NamedTuple):
     zero2_whole: frozenset = frozenset()  # zero2 gradients summed whole across microbatches (the others
     #                                       are reduce-scattered in every microbatch)
     loops: dict = {}  # path -> SegmentRuns: stacked, sliced per iteration by the model's own scans
+    tensor: dict = {}  # path -> "column"/"row": split over the model axis (core.tensor)
+    model_axis: str | None = None
 
     def inside_microbatches(self) -> "_Gathering":
         """The gathering of the microbatch loop's body: the kept weights arrive gathered."""
@@ -408,7 +414,7 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
         [f"{pl.path}/{j}" for j in range(len(pl.segments))] + [pl.path] if pl.in_loop else
         [pl.path] if pl.strategy == "zero2" and accumulation("zero2", pl.accumulate) == "whole" else []))
     return _Gathering(how, stacks, {p: shapes[p] for p in (*stacks, *loops)}, split_specs, per_step, units,
-                      layout.unit_remat, kept, zero2_whole, loops)
+                      layout.unit_remat, kept, zero2_whole, loops, layout.tensor, layout.model_axis)
 
 
 def extra_args(extra: tuple, options: StepOptions, head: str) -> tuple:
@@ -444,18 +450,53 @@ def build_gradient(loss_fn, mesh, layout, options: StepOptions = StepOptions()):
         check_batch(batch, n)
         p_specs = spec_tree(params, layout)
         t_specs = state_spec_tree(params, layout, n)  # gradients and optimizer state
-        in_specs = (p_specs, batch_specs(batch, axes), jax.tree.map(lambda _: P(), state),
+        # manual over the data axes only: a model axis is XLA's (core.tensor)
+        manual_p, manual_t = manual_specs(p_specs, layout), manual_specs(t_specs, layout)
+        in_specs = (manual_p, batch_specs(batch, axes), jax.tree.map(lambda _: P(), state),
                     None if rng is None else P())
         gathering = gathering_of(layout, mesh, params)
-        # Explicit meshes need inputs already laid out as in_specs (a no-op when they are)
-        params, batch, state = lay_out_tree((params, batch, state), in_specs[:3], mesh)
-        body = grad_body(loss_fn, p_specs, axes, n, gathering, options, t_specs)
+        # Explicit meshes need inputs already laid out as their specs (a no-op when they are)
+        params, batch, state = lay_out_tree((params, batch, state), (p_specs, *in_specs[1:3]), mesh)
+        body = grad_body(loss_fn, manual_p, axes, n, gathering, options, manual_t)
         aux_spec = P(axis_entry(axes)) if options.aux == "gather" else P()
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                               out_specs=(P(), aux_spec, t_specs, P()), check_vma=False)
-        return mapped(params, batch, state, rng)
+        out_specs = (P(), aux_spec, manual_t, P())
+
+        def model_specs(outputs):  # the gradients split over a model axis as stored, the rest whole
+            return (P(), jax.tree.map(lambda _: aux_spec, outputs[1]), t_specs, jax.tree.map(lambda _: P(), outputs[3]))
+
+        return manual_over_data(body, mesh, layout, in_specs, out_specs, model_specs)(params, batch, state, rng)
 
     return gradients
+
+
+def manual_over_data(body, mesh, layout: Layout, in_specs, out_specs, model_specs=None):
+    """``jax.shard_map(body)`` manual over the layout's data axes only, its model axis (if it has
+    one, ``core.tensor``) left to XLA's partitioner: ``in_specs`` and ``out_specs`` name the data
+    axes only; ``model_specs(outputs)`` (a tree of abstract outputs) gives the outputs' whole
+    specs, the model axis included (default: replicated over it). On a mesh where the model axis
+    is Explicit it runs as an Auto axis (``jax.sharding.auto_axes``): the model's own layers carry
+    no output shardings, which an Explicit axis would need."""
+    model = layout.model_axis
+    if not model:
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    model_specs = model_specs or (lambda outputs: jax.tree.map(lambda _: P(), outputs))
+    kind = dict(zip(mesh.axis_names, mesh.axis_types))[model]
+    auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=tuple(
+        jax.sharding.AxisType.Auto if name == model else t for name, t in zip(mesh.axis_names, mesh.axis_types)))
+    mapped = jax.shard_map(body, mesh=auto, in_specs=in_specs, out_specs=out_specs, axis_names=set(layout.axes),
+                           check_vma=False)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def run(*args):
+        outputs = jax.eval_shape(mapped if kind != jax.sharding.AxisType.Explicit
+                                 else jax.sharding.auto_axes(mapped, axes=model, out_sharding=P()), *args)
+        specs = model_specs(outputs)
+        if kind == jax.sharding.AxisType.Explicit:
+            return jax.sharding.auto_axes(mapped, axes=model, out_sharding=specs)(*args)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+        return jax.lax.with_sharding_constraint(mapped(*args), shardings)
+
+    return run
 
 
 def value_and_grad(loss_fn, plan, mesh, *, has_aux: bool = False, aux: str = "mean", rng: bool = False,

@@ -53,3 +53,5 @@ def record(kernel) -> None:
         path = ctx.lookup(kernel)
         if path is not None:
             ctx.recorded_split.add(path)
+            if path not in ctx.recorded_dense:
+                ctx.recorded_dense.append(path)

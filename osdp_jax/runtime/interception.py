@@ -147,9 +147,9 @@ def _linen_layer(next_fun, args, kwargs, context):
         kernel = module.scope.get_variable("params", "kernel")
         record(kernel)
         if not isinstance(kernel, SplitKernel):
-            return next_fun(*args, **kwargs)
+            return _tensor_output(kernel, next_fun(*args, **kwargs))
         bias = module.scope.get_variable("params", "bias") if module.use_bias else None
-        return dense(args[0], kernel, bias, precision=module.precision, dtype=module.dtype)
+        return _tensor_output(kernel, dense(args[0], kernel, bias, precision=module.precision, dtype=module.dtype))
     if type(module) is nn.Embed and _LOCAL.lookups:
         if (module.num_embeddings == 1 or not jnp.issubdtype(args[0].dtype, jnp.integer)
                 or not module.scope.has_variable("params", "embedding")):
@@ -164,13 +164,20 @@ def _nnx_linear(original, self, inputs, out_sharding=None):
     kernel = self.kernel[...]
     record(kernel)
     if not isinstance(kernel, SplitKernel):
-        return original(self, inputs, out_sharding)
+        return _tensor_output(kernel, original(self, inputs, out_sharding))
     if out_sharding is not None or getattr(self, "dot_general", jax.lax.dot_general) is not jax.lax.dot_general:
         kernel.as_array()  # raises for a split kernel; an unsplit one is gathered by nnx's own code
-        return original(self, inputs, out_sharding)
+        return _tensor_output(kernel, original(self, inputs, out_sharding))
     bias = self.bias[...] if self.bias is not None else None
     y = dense(inputs, kernel, bias, precision=self.precision, dtype=self.dtype)
-    return y.astype(self.preferred_element_type) if self.preferred_element_type is not None else y
+    y = y.astype(self.preferred_element_type) if self.preferred_element_type is not None else y
+    return _tensor_output(kernel, y)
+
+
+def _tensor_output(kernel, y):
+    """``y`` sharded over the model axis as ``kernel``'s tensor role says (``StepContext.tensor_output``)."""
+    ctx = ACTIVE.get()
+    return y if ctx is None or not ctx.tensor_ids else ctx.tensor_output(kernel, y)
 
 
 def _nnx_embed(original, self, inputs, out_sharding=None):

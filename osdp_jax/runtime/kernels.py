@@ -40,7 +40,8 @@ from osdp_jax.runtime.context import SplitSpec
 
 def after(x, y):
     """``y``, computed only once ``x`` is: ``y + 0 * x[0]`` with the gradient stopped (dtype of ``y``)."""
-    return y + jax.lax.stop_gradient(x.reshape(-1)[0] * 0).astype(y.dtype)
+    # x's first element by index, not by flattening: a flattened x split over a model axis is gathered
+    return y + jax.lax.stop_gradient(x[(0,) * x.ndim] * 0).astype(y.dtype)
 
 
 def matmul(x, shard, spec: SplitSpec, precision=None):
@@ -54,7 +55,7 @@ def matmul(x, shard, spec: SplitSpec, precision=None):
     """
     if spec.k == 1:
         # not split: the whole kernel gathered here, once x is ready
-        return jnp.matmul(x, gather(after(x, shard), spec.dim, spec.how), precision=precision)
+        return jnp.matmul(x, spec.gather(after(x, shard)), precision=precision)
     n = jax.lax.psum(1, spec.how.axes)
     k = spec.k
     if shard.ndim != 2 or spec.dim not in (0, 1):

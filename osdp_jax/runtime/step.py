@@ -27,6 +27,7 @@ from osdp_jax.core.describe import path_name
 from osdp_jax.core.layout import (
     as_layout,
     batch_specs,
+    manual_specs,
     opt_state_specs,
     spec_tree,
     state_spec_tree,
@@ -43,6 +44,7 @@ from osdp_jax.runtime.gradient import (
     extra_args,
     gathering_of,
     lay_out_tree,
+    manual_over_data,
     model_view,
     reduce_out,
 )
@@ -312,7 +314,7 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
         st = extra.pop(0) if state else None
         key = extra.pop(0) if rng else None
         p_specs = spec_tree(params, layout)
-        view = model_view(fn, p_specs, gathering_of(layout, mesh, params))
+        view = model_view(fn, manual_specs(p_specs, layout), gathering_of(layout, mesh, params))
 
         def body(p, b, s, r):
             kw = {}
@@ -323,12 +325,12 @@ def make_eval_step(fn, plan, mesh, *, aux: str = "mean", rng: bool = False, stat
             return jax.tree.map(lambda x: reduce_out(x, axes, options.aux), view(p, b, **kw))
 
         out_spec = P(axis_entry(axes)) if aux == "gather" else P()
-        in_specs = (p_specs, batch_specs(batch, axes), jax.tree.map(lambda _: P(), st),
+        in_specs = (manual_specs(p_specs, layout), batch_specs(batch, axes), jax.tree.map(lambda _: P(), st),
                     None if key is None else P())
-        # Explicit meshes need inputs already laid out as in_specs (a no-op when they are)
-        params, batch, st = lay_out_tree((params, batch, st), in_specs[:3], mesh)
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                             check_vma=False)(params, batch, st, key)
+        # Explicit meshes need inputs already laid out as their specs (a no-op when they are)
+        params, batch, st = lay_out_tree((params, batch, st), (p_specs, *in_specs[1:3]), mesh)
+        return manual_over_data(body, mesh, layout, in_specs, out_spec,
+                                lambda outputs: jax.tree.map(lambda _: out_spec, outputs))(params, batch, st, key)
 
     return TrainStep(jax.jit(evaluate), "eval step", batch_arg=1, mesh=mesh)
 

@@ -1,0 +1,92 @@
+"""Which kernels pair up for tensor parallelism, found from the model's own dense calls.
+
+Megatron-style tensor parallelism splits a *column* layer's output features and the *row* layer
+that reads them on its input features, so the hidden activations between them stay split
+(``osdp_jax.core.tensor``). Tracing the loss once (``planner.discover``) records every kernel
+that reaches a Flax ``Dense``/``nnx.Linear`` layer (or ``osdp_jax.split.dense``), in the order the
+layers are first called. From that order and the kernels' shapes :func:`find_pairs` takes:
+
+- a *row* kernel ``(F, D)``, with ``F != D``;
+- as its *columns*, the run of kernels called just before it, in the same parent module, each
+  ``(D_i, F)`` with ``D_i != F``: an MLP's up (and gate) kernels before its down kernel.
+
+A kernel is in one pair at most; a kernel in none stays data-parallel only. Square kernels
+(attention's q/k/v/o projections of width d) are not paired from shapes, since the calls alone
+do not show whether one layer reads another's output: name them with
+``tensor_roles(..., hint=...)`` patterns. The pairing decides only where the model axis's
+collectives go, never the result: the step leaves that axis to XLA's partitioner, which keeps
+any pairing exact.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+from osdp_jax.core.describe import describe
+from osdp_jax.core.tensor import ROLES
+from osdp_jax.planner.discover import find
+
+
+def _parent(path: str) -> str:
+    return path.rpartition("/")[0].rpartition("/")[0]
+
+
+def find_pairs(order, shapes: dict) -> list[tuple[tuple[str, ...], str]]:
+    """``[(column kernel paths, row kernel path), ...]`` from the kernels' first-call ``order``
+    and ``shapes`` (path -> shape), as the module docstring says."""
+    pairs, taken = [], set()
+    order = [p for p in order if len(shapes.get(p, ())) == 2]
+    for i, row in enumerate(order):
+        width, out = shapes[row]
+        if width == out or row in taken:
+            continue
+        columns = []
+        for before in reversed(order[:i]):
+            d_in, d_out = shapes[before]
+            if before in taken or _parent(before) != _parent(row) or d_out != width or d_in == width:
+                break
+            columns.append(before)
+        if columns:
+            pairs.append((tuple(reversed(columns)), row))
+            taken |= {row, *columns}
+    return pairs
+
+
+def _bias(kernel_path: str, paths) -> str | None:
+    """The bias beside a dense layer's kernel (``.../kernel`` -> ``.../bias``), if the params have it."""
+    head, _, last = kernel_path.rpartition("/")
+    bias = f"{head}/bias" if last == "kernel" else None
+    return bias if bias in paths else None
+
+
+def tensor_roles(loss_fn, params, batch, *, size: int = 1, hint=None) -> dict[str, str]:
+    """Path -> ``"column"``/``"row"`` for the pairs :func:`find_pairs` finds in ``loss_fn``'s dense
+    calls (traced once, abstractly; ``params`` and ``batch`` may be ``ShapeDtypeStruct``s), each
+    column's bias split with it: what ``Layout.from_specs(..., tensor=)`` takes.
+
+    Args:
+      size: the model axis's device count: a pair whose hidden width it does not divide is left
+        out (it stays data-parallel).
+      hint: ``{fnmatch pattern: "column" | "row"}`` over parameter paths (e.g.
+        ``{"*/attn/[qkv]/kernel": "column", "*/attn/o/kernel": "row"}``), which take the place of
+        the found pairs for the kernels they match.
+    """
+    infos = {i.path: i.shape for i in describe(params)}
+    found = find(loss_fn, params, batch)
+    roles: dict[str, str] = {}
+    for columns, row in find_pairs(found.dense_order, infos):
+        if infos[row][0] % size == 0:
+            roles.update({c: "column" for c in columns}, **{row: "row"})
+    for pattern, role in (hint or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"tensor hint {pattern!r}: role must be one of {list(ROLES)}, got {role!r}")
+        matched = [p for p in infos if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            raise ValueError(f"tensor hint {pattern!r} matches no parameter; paths look like "
+                             f"{sorted(infos)[:3]}")
+        roles.update({p: role for p in matched})
+    biases = {}
+    for path, role in roles.items():
+        bias = _bias(path, infos)
+        if role == "column" and bias is not None and bias not in roles:
+            biases[bias] = "column"
+    return {**roles, **biases}

@@ -1,0 +1,165 @@
+"""Tensor parallelism over a model axis (``osdp_jax.core.tensor``): pairs found from the model's
+dense calls, layouts that train like one device on a 2x4 ("data", "model") mesh, the model-axis
+collectives Megatron's pattern has (activation all-reduces, no kernel gathered over the model
+axis), and one clear error for each layout that cannot work."""
+import re
+
+import foreign
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+import osdp_jax
+from osdp_jax.planner.tensor_pairs import find_pairs
+
+STEPS = 5
+
+
+def _mesh(explicit=True):
+    if explicit:  # jax.make_mesh's default axis types
+        return jax.make_mesh((2, 4), ("data", "model"))
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _train(loss_fn, params, batch, mesh, layout, optimizer):
+    step = osdp_jax.make_train_step(loss_fn, optimizer, layout, mesh)
+    p = osdp_jax.shard(params, mesh, layout)
+    o = osdp_jax.init_opt_state(optimizer, p, layout, mesh)
+    losses = []
+    for _ in range(STEPS):
+        p, o, loss = step(p, o, batch)
+        losses.append(float(loss))
+    return losses, p
+
+
+def _one_device(loss_fn, params, batch, optimizer):
+    @jax.jit
+    def step(p, o):
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        u, o = optimizer.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    p, o, losses = params, optimizer.init(params), []
+    for _ in range(STEPS):
+        p, o, loss = step(p, o)
+        losses.append(float(loss))
+    return losses
+
+
+def _collectives(hlo: str, op: str) -> list[str]:
+    """The result shapes of every ``op`` in compiled HLO."""
+    return [m.group(1) for line in hlo.splitlines()
+            if re.search(rf"\s{op}(-start)?\(", line) and (m := re.search(rf"= (\S+?)(?:\{{[^}}]*\}})? {op}", line))]
+
+
+def test_pairs_are_found_from_the_order_and_shapes_of_the_dense_calls():
+    shapes = {"b/up/kernel": (64, 256), "b/gate/kernel": (64, 256), "b/down/kernel": (256, 64),
+              "b/q/kernel": (64, 64), "b/o/kernel": (64, 64), "head/kernel": (64, 10),
+              "c/up/kernel": (64, 256), "d/down/kernel": (256, 64)}
+    order = ["b/q/kernel", "b/o/kernel", "b/gate/kernel", "b/up/kernel", "b/down/kernel",
+             "c/up/kernel", "d/down/kernel", "head/kernel"]
+    # square kernels are not paired; a column and a row of different modules are not either
+    assert find_pairs(order, shapes) == [(("b/gate/kernel", "b/up/kernel"), "b/down/kernel")]
+
+
+@pytest.mark.parametrize("zero3", [False, True], ids=["replicate", "zero3"])
+def test_an_unrolled_linen_mlp_with_found_pairs_trains_like_one_device(zero3):
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(512, 256), d=128, batch=8)
+    tensor = osdp_jax.tensor_roles(loss_fn, params, batch, size=4)
+    # LayerNorm -> Dense(width) -> gelu -> Dense(d) per block: the up kernel column, the down one row
+    assert tensor == {"Dense_0/kernel": "column", "Dense_1/kernel": "row",
+                      "Dense_2/kernel": "column", "Dense_3/kernel": "row"}
+    specs = {"Dense_0/kernel": P("data"), "Dense_1/kernel": P(None, "data")} if zero3 else {}
+    layout = osdp_jax.Layout.from_specs(params, mesh, specs, axis="data", tensor=tensor, dense=list(specs))
+    opt = optax.adam(1e-2)
+    losses, trained = _train(loss_fn, params, batch, mesh, layout, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+    evaluate = osdp_jax.make_eval_step(loss_fn, layout, mesh)
+    np.testing.assert_allclose(float(evaluate(osdp_jax.shard(params, mesh, layout), batch)), losses[0], rtol=1e-6)
+    assert trained["Dense_0"]["kernel"].sharding.spec == P("data" if zero3 else None, "model")
+    assert trained["Dense_1"]["kernel"].sharding.spec == P("model", "data" if zero3 else None)
+    hlo = osdp_jax.compile_step(loss_fn, opt, params, batch, mesh, layout).as_text()
+    # the model axis moves activations: each block's row output all-reduced forward and its
+    # column input's gradient backward, (batch per data device, d); no kernel is gathered over it
+    assert _collectives(hlo, "all-reduce").count("f32[4,128]") == 4
+    kernels = {f"f32[{a},{b}]" for a, b in ((128, 512), (512, 128), (128, 256), (256, 128))}
+    assert not kernels & set(_collectives(hlo, "all-gather"))
+
+
+@pytest.mark.slow
+def test_an_nnx_vit_with_found_pairs_and_an_auto_mesh_trains_like_one_device():
+    mesh = _mesh(explicit=False)
+    params, loss_fn, batch = foreign.vit(depth=2, d=32, batch=4, mark=False)
+    tensor = osdp_jax.tensor_roles(loss_fn, params, batch, size=4)
+    assert {p for p, r in tensor.items() if r == "row"} == {"blocks/0/fc2/kernel", "blocks/1/fc2/kernel"}
+    assert tensor["blocks/0/fc1/bias"] == "column"
+    layout = osdp_jax.Layout.from_specs(params, mesh, {}, axis="data", tensor=tensor)
+    opt = optax.adam(1e-3)
+    losses, _ = _train(loss_fn, params, batch, mesh, layout, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
+def test_a_global_batch_smaller_than_the_device_count_trains_like_one_device():
+    """Batch 2 on 8 devices: two data-parallel groups of 4, each splitting its layers over 4."""
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(256,), d=64, batch=2)
+    layout = osdp_jax.Layout.from_specs(params, mesh, {}, axis="data",
+                                        tensor=osdp_jax.tensor_roles(loss_fn, params, batch, size=4))
+    opt = optax.sgd(0.1)
+    losses, _ = _train(loss_fn, params, batch, mesh, layout, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
+class _Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(64, name=n)(x) for n in "qkv")
+        a = jax.nn.softmax(jnp.einsum("bd,cd->bc", q, k) / 8.0)
+        return x + nn.Dense(64, name="o")(a @ v)
+
+
+def test_a_hint_names_pairs_the_shapes_cannot_show():
+    x = jnp.ones((8, 64))
+    model = _Attention()
+    params = model.init(jax.random.key(0), x)["params"]
+    loss_fn = lambda p, b: jnp.mean(model.apply({"params": p}, b) ** 2)  # noqa: E731
+    assert osdp_jax.tensor_roles(loss_fn, params, x) == {}  # q/k/v/o are square: no pair from shapes
+    hint = {"[qkv]/kernel": "column", "o/kernel": "row"}
+    tensor = osdp_jax.tensor_roles(loss_fn, params, x, hint=hint)
+    assert tensor == {"q/kernel": "column", "k/kernel": "column", "v/kernel": "column", "o/kernel": "row",
+                      "q/bias": "column", "k/bias": "column", "v/bias": "column"}
+    with pytest.raises(ValueError, match="matches no parameter"):
+        osdp_jax.tensor_roles(loss_fn, params, x, hint={"attn/*": "row"})
+    with pytest.raises(ValueError, match="role must be one of"):
+        osdp_jax.tensor_roles(loss_fn, params, x, hint={"o/kernel": "rows"})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tensor={"Dense_0/kernel": "column"}), "both data-parallel and the model axis"),
+    (dict(tensor={"Dense_0/kernel": "column"}, axis="data", model_axis="tp"), "has no axis 'tp'"),
+    (dict(tensor={"Dense_0/kernel": "diagonal"}, axis="data"), "must be one of"),
+    (dict(tensor={"Dense_0/kernel": "column"}, axis="data", specs={"Dense_0/kernel": P(None, "data")}),
+     "the dimension its 'column' split uses"),
+    (dict(tensor={"Dense_0/kernel": "column"}, axis="data", zero2=("Dense_0/kernel",)), "is zero2"),
+    (dict(tensor={"Dense_0/kernel": "column"}, axis="data", splits={"Dense_0/kernel": 2},
+          specs={"Dense_0/kernel": P("data")}), "split in 2"),
+    (dict(tensor={"Dense_9/kernel": "column"}, axis="data"), "tensor names parameters the params do not have"),
+])
+def test_a_layout_that_cannot_work_is_one_clear_error(kwargs, match):
+    params, _, _ = foreign.uneven_mlp(widths=(512,), d=128, batch=8)
+    kwargs = dict(kwargs)
+    specs = kwargs.pop("specs", {})
+    with pytest.raises((ValueError, KeyError), match=match):
+        osdp_jax.Layout.from_specs(params, _mesh(), specs, **kwargs)
+
+
+def test_a_width_the_model_axis_does_not_divide_is_refused_or_left_out():
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(6,), d=16, batch=8)
+    assert osdp_jax.tensor_roles(loss_fn, params, batch, size=4) == {}  # 6 features over 4: left out
+    with pytest.raises(ValueError, match=r"dimension 1 \(6\) is not divisible by 4"):
+        osdp_jax.Layout.from_specs(params, _mesh(), {}, axis="data", tensor={"Dense_0/kernel": "column"})
