@@ -24,6 +24,7 @@ from osdp_jax.core.bytes import format_bytes, parse_bytes
 from osdp_jax.core.describe import ParamInfo, describe
 from osdp_jax.core.hardware import PRESETS, Hardware
 from osdp_jax.core.layout import Layout, ParamLayout
+from osdp_jax.core.logical import logical_axis_rules
 from osdp_jax.core.plan import ParamPlan, Plan
 from osdp_jax.core.simulated import simulate_cpu_devices
 from osdp_jax.core.stack import Segment, Segmented
@@ -66,6 +67,7 @@ __all__ = [
     "merge_segments", "cut_segments", "whole_target", "Segment", "Segmented",
     # layouts by hand, and what the planner sees
     "Layout", "ParamLayout", "describe", "ParamInfo", "discover", "model_loops", "tensor_roles",
+    "logical_axis_rules",
     # XLA's figures
     "compile_step", "profile_step", "profile_compiled", "StepProfile",
     # hardware and sizes

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import osdp_jax
@@ -163,3 +164,77 @@ def test_a_width_the_model_axis_does_not_divide_is_refused_or_left_out():
     assert osdp_jax.tensor_roles(loss_fn, params, batch, size=4) == {}  # 6 features over 4: left out
     with pytest.raises(ValueError, match=r"dimension 1 \(6\) is not divisible by 4"):
         osdp_jax.Layout.from_specs(params, _mesh(), {}, axis="data", tensor={"Dense_0/kernel": "column"})
+
+
+class _Annotated(nn.Module):
+    """A linen MLP block whose kernels carry logical axis names, as MaxText's do."""
+
+    @nn.compact
+    def __call__(self, x):
+        named = lambda *names: nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)  # noqa: E731
+        for _ in range(2):
+            h = nn.Dense(256, kernel_init=named("embed", "mlp"),
+                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)))(x)
+            x = x + nn.Dense(64, kernel_init=named("mlp", "embed"))(jax.nn.gelu(h))
+        return x
+
+
+@pytest.mark.parametrize("zero3", [False, True], ids=["tp", "fsdp+tp"])
+def test_logical_axis_rules_place_an_annotated_model_as_the_layout_and_it_trains_like_one_device(zero3):
+    mesh = _mesh()
+    model, x = _Annotated(), jnp.asarray(np.random.default_rng(1).normal(size=(8, 64)), jnp.float32)
+    boxed = model.init(jax.random.key(0), x)["params"]
+    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b) - 0.5 * b) ** 2)  # noqa: E731
+    tensor = osdp_jax.tensor_roles(loss_fn, boxed, x, size=4)
+    assert sorted(tensor.values()).count("row") == 2
+    specs = {p: P("data") if r == "column" else P(None, "data") for p, r in tensor.items() if p.endswith("kernel")}
+    layout = osdp_jax.Layout.from_specs(boxed, mesh, specs if zero3 else {}, axis="data", tensor=tensor,
+                                        dense=list(specs) if zero3 else ())
+    rules = osdp_jax.logical_axis_rules(boxed, layout)
+    assert dict(rules) == {"embed": "data" if zero3 else None, "mlp": "model"}
+    by_rules = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    placed = nn.unbox(osdp_jax.shard(boxed, mesh, layout))
+    # every parameter where the rules put it, the unannotated row bias replicated by both
+    assert jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding.spec == s.spec, placed, by_rules)) == [True] * 8
+    opt = optax.adam(1e-2)
+    losses, _ = _train(loss_fn, boxed, x, mesh, layout, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, nn.unbox(boxed), x, opt), rtol=1e-5)
+
+
+def test_a_layout_no_rules_can_express_is_one_clear_error():
+    mesh = _mesh()
+    model, x = _Annotated(), jnp.ones((8, 64))
+    boxed = model.init(jax.random.key(0), x)["params"]
+    # one up kernel's "embed" zero3 over the data axis, the other's replicated: one name, two placements
+    layout = osdp_jax.Layout.from_specs(boxed, mesh, {"Dense_0/kernel": P("data")}, axis="data")
+    with pytest.raises(ValueError, match="logical name 'embed' is split over"):
+        osdp_jax.logical_axis_rules(boxed, layout)
+    plain = {"w": jnp.ones((8, 8))}
+    with pytest.raises(ValueError, match="carry no logical axis names"):
+        osdp_jax.logical_axis_rules(plain, osdp_jax.Layout.ddp(plain, mesh))
+
+
+class _NnxAnnotated(nnx.Module):
+    def __init__(self, rngs):
+        named = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+        self.up = nnx.Linear(32, 128, kernel_init=named("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(128, 32, kernel_init=named("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+def test_an_annotated_nnx_model_gets_its_rules_and_trains_like_one_device():
+    mesh = _mesh()
+    with nnx.use_eager_sharding(False):  # names only; osdp_jax places the arrays
+        graphdef, state = nnx.split(_NnxAnnotated(nnx.Rngs(0)), nnx.Param)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 32)), jnp.float32)
+    loss_fn = lambda p, b: jnp.mean((nnx.merge(graphdef, p)(b) - 0.5 * b) ** 2)  # noqa: E731
+    tensor = osdp_jax.tensor_roles(loss_fn, state, x, size=4)
+    assert tensor == {"up/kernel": "column", "up/bias": "column", "down/kernel": "row"}
+    layout = osdp_jax.Layout.from_specs(state, mesh, {}, axis="data", tensor=tensor)
+    assert osdp_jax.logical_axis_rules(state, layout) == (("mlp", "model"), ("embed", None))
+    opt = optax.adam(1e-2)
+    losses, trained = _train(loss_fn, state, x, mesh, layout, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, state, x, opt), rtol=1e-5)
+    assert trained["up"]["kernel"].sharding.spec == P(None, "model")
