@@ -12,11 +12,12 @@ from osdp_jax.core.bytes import format_bytes
 from osdp_jax.core.layout import Layout, ParamLayout, one_segment
 from osdp_jax.core.stack import Segment
 from osdp_jax.core.strategies import GATHERED, sharded_dim
+from osdp_jax.core.tensor import storage_spec
 
 # 7 adds "model_loop", 6 "accumulate", 5 the zero2 strategy and gather_dtype, 4 units ("unit",
 # "unit_remat"), 3 layer segments, 2 dense kernels; 1-6 are still read
-PLAN_FORMAT = 7
-READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7)
+PLAN_FORMAT = 8
+READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -78,6 +79,9 @@ class ParamPlan:
       dense, unit, segments, gather_dtype, accumulate: where it is gathered, its unit, its layer
         segments, the dtype it is gathered in, and where its gradient is summed across
         microbatches (``"shard"`` or ``"whole"``).
+      tensor: ``"column"`` or ``"row"`` where it is split over the plan's ``model_axis``
+        (tensor parallelism, ``osdp_jax.core.tensor``; ``spec`` is then its data-parallel part),
+        else ``""``.
     """
 
     path: str
@@ -96,6 +100,7 @@ class ParamPlan:
     accumulate: str = ""  # with microbatches: its gradient summed "whole" (a zero3/hsdp weight gathered once
     #                       per step and kept) or in its "shard"; "": the strategy's default
     model_loop: bool = False  # in_loop, sliced per iteration by the model's own jax.lax.scan
+    tensor: str = ""  # split over Plan.model_axis: "column" (output features), "row" (input features), or ""
 
     def layer_segments(self) -> tuple[Segment, ...]:
         """The segments of a stacked (``in_loop``) parameter: its own, or one over all its layers."""
@@ -134,6 +139,7 @@ class Plan:
     pool_overlap: float = 0.0  # the cost model's pool overlap omega (_cost), fitted on a compiled plan
     unit_scale: float = 1.0  # the units' temp savings scaled by it (_cost), refitted on a compiled plan
     microbatches: int = 1  # the global batch runs as this many microbatches (gradient accumulation)
+    model_axis: str | None = None  # the mesh axis the "column"/"row" parameters are split over (tensor parallelism)
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 
     # --- pytree views --------------------------------------------------------------------------
@@ -151,8 +157,13 @@ class Plan:
 
     @property
     def specs(self):
-        """Pytree of ``PartitionSpec`` shaped like the (unboxed) params."""
-        return self._tree([pp.spec for pp in self.params])
+        """Pytree of storage ``PartitionSpec`` shaped like the (unboxed) params, a model axis included."""
+        return self._tree([storage_spec(pp.spec, pp.shape, pp.tensor, self.model_axis) for pp in self.params])
+
+    @property
+    def tensor(self) -> dict[str, str]:
+        """Path -> ``"column"``/``"row"`` of every parameter split over :attr:`model_axis`."""
+        return {pp.path: pp.tensor for pp in self.params if pp.tensor}
 
     @property
     def strategies(self):
@@ -178,9 +189,9 @@ class Plan:
         """The plan's :class:`~osdp_jax.Layout`: what the runtime needs of it."""
         return Layout(tuple(ParamLayout(pp.path, pp.spec, pp.strategy, pp.in_loop, pp.split, pp.two_stage,
                                         pp.dense, pp.layer_segments(), pp.unit, pp.gather_dtype,
-                                        pp.accumulate, pp.model_loop)
+                                        pp.accumulate, pp.model_loop, pp.tensor)
                             for pp in self.params),
-                      tuple(self.axes), unit_remat=self.unit_remat)
+                      tuple(self.axes), unit_remat=self.unit_remat, model_axis=self.model_axis)
 
     @property
     def segments(self) -> dict[str, list[tuple]]:
@@ -227,17 +238,19 @@ class Plan:
         for pp in self.params:
             mixed = len(pp.layer_segments()) > 1
             key = (pp.shape, pp.dtype, "segments" if mixed else pp.strategy, P() if mixed else pp.spec,
-                   pp.in_loop, 1 if mixed else pp.split, pp.two_stage, bool(pp.unit), pp.accumulate)
+                   pp.in_loop, 1 if mixed else pp.split, pp.two_stage, bool(pp.unit), pp.accumulate, pp.tensor)
             groups.setdefault(key if group else (*key, pp.path), []).append(pp)
         rows = [("parameters", "count", "shape", "dtype", "strategy", "spec", "gathered", "split",
                  "bytes each")]
-        for (shape, dtype, strategy, spec, _, split, _, _, accumulate, *_), pps in groups.items():
+        for (shape, dtype, strategy, spec, _, split, _, _, accumulate, tensor, *_), pps in groups.items():
             name = pps[0].path if len(pps) == 1 else f"{pps[0].path} (+{len(pps) - 1})"
             where = "" if strategy in ("replicate", "zero2") else (
                 "per layer" if pps[0].in_loop else "per unit" if pps[0].unit else "per step")
             where = "per layer" if strategy == "segments" else where
             notes = [where] if where else []
             notes += ["2-stage"] if pps[0].two_stage else []
+            notes += [f"{tensor}-parallel"] if tensor else []
+            spec = storage_spec(spec, shape, tensor, self.model_axis)
             notes += [f"in {pps[0].gather_dtype}"] if pps[0].gather_dtype else []
             if self.microbatches > 1 and accumulate:  # where the gradient is summed, when not the default
                 notes.append(("kept across microbatches" if strategy in GATHERED else "grad summed whole")
@@ -266,7 +279,7 @@ class Plan:
                           f"{shown}"]
         total = sum(pp.nbytes for pp in self.params)
         sps = self.predicted_samples_per_second
-        minor = [pp for pp in self.params if pp.strategy in GATHERED
+        minor = [pp for pp in self.params if pp.strategy in GATHERED and not pp.tensor
                  and sharded_dim(pp.spec) > (1 if pp.in_loop else 0) and _padding_helps(pp, self.num_devices)]
         if minor:
             pp = minor[0]
@@ -276,7 +289,9 @@ class Plan:
                           f"padding that first dimension to a multiple of {self.num_devices} avoids it"]
         lines += [
             "",
-            f"mesh axes {self.axes} ({self.num_devices} data-parallel devices), hardware {self.hardware}",
+            f"mesh axes {self.axes} ({self.num_devices} data-parallel devices)"
+            + (f", model axis {self.model_axis!r} ({len(self.tensor)} parameters split over it)"
+               if self.model_axis else "") + f", hardware {self.hardware}",
             f"parameters: {format_bytes(total)} total; strategies: {self.counts()}; "
             f"split kernels: {len(self.splits_by_path)}",
             f"batch size: {self.batch_size if self.batch_size is not None else '-'}"
@@ -308,7 +323,8 @@ class Plan:
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
                         "in_loop": pp.in_loop, "split": pp.split, "two_stage": pp.two_stage,
                         "dense": pp.dense, "segments": [seg.to_json() for seg in pp.segments], "unit": pp.unit,
-                        "gather_dtype": pp.gather_dtype, "accumulate": pp.accumulate, "model_loop": pp.model_loop}
+                        "gather_dtype": pp.gather_dtype, "accumulate": pp.accumulate, "model_loop": pp.model_loop,
+                        "tensor": pp.tensor}
                        for pp in self.params]
         return json.dumps(d, indent=1)
 
@@ -321,7 +337,8 @@ class Plan:
                                  _spec_from_json(p["spec"]), p["nbytes"], p.get("in_loop", False),
                                  p.get("split", 1), p.get("two_stage", False), p.get("dense", False),
                                  tuple(Segment.from_json(x) for x in p.get("segments", ())), p.get("unit", ""),
-                                 p.get("gather_dtype", ""), p.get("accumulate", ""), p.get("model_loop", False))
+                                 p.get("gather_dtype", ""), p.get("accumulate", ""), p.get("model_loop", False),
+                                 p.get("tensor", ""))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
         known = {f.name for f in dataclasses.fields(cls)}

@@ -460,7 +460,7 @@ def calibrate(problem: Problem, calibrator: Calibrator, batches: dict, hw, measu
     done = (many(problem, requests) if many is not None
             else ((i, calibrator.profile(problem, *request)) for i, request in enumerate(requests)))
     runs = {jobs[i]: figures for i, figures in progress(_Sized(done, len(jobs)), desc)}
-    p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
+    p = np.array([i.nbytes for i in problem.cost_infos()], dtype=np.float64)  # per device of a model axis
     can_shard, loop = problem.can_shard(), problem.loop_mask()
     probed, last_saving = {}, None
     for b in ends:
@@ -526,7 +526,7 @@ def _modelled_comm(problem: Problem, kind: ProbeKind, hw) -> float:
             return comm_seconds(i.nbytes, "zero3", hw, problem.topo, gathered_layers(problem, i.path, i.shape))
         zero2 = kind.zero2(i, problem) and problem.spec_of(i, "zero2") is not None
         return comm_seconds(i.nbytes, "zero2" if zero2 else "replicate", hw, problem.topo)
-    return sum(one(i) for i in problem.infos)
+    return sum(one(i) for i in problem.cost_infos())
 
 
 def gathered_layers(problem: Problem, path: str, shape) -> int:

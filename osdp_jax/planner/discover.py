@@ -41,6 +41,7 @@ class Found(NamedTuple):
     fingerprint: str = ""  # the loss's (:func:`fingerprint`)
     model_loop: frozenset = frozenset()  # paths of stacked parameters a jax.lax.scan of the model's own slices
     dense_order: tuple = ()  # the kernels of ``dense``, in the order their dense layers are first called
+    dense_inputs: dict = {}  # kernel path -> the shape of its dense layer's input (first call)
 
 
 log = logging.getLogger("osdp_jax")
@@ -158,7 +159,7 @@ def _find(loss_fn, params, batch) -> Found:
     return Found(set(ctx.recorded_loop) | model_loop, ctx.recorded_split, stacks + model_stacks,
                  tuple(ctx.recorded_units), dict(ctx.recorded_saved),
                  fingerprint(closed, jax.tree.structure(out), *found, model_stacks), model_loop,
-                 tuple(ctx.recorded_dense))
+                 tuple(ctx.recorded_dense), dict(ctx.recorded_inputs))
 
 
 def _model_stacks(jaxpr, params, taken: set) -> tuple[tuple[str, ...], ...]:

@@ -60,6 +60,7 @@ from osdp_jax.planner.search import (
     lower_bound,
 )
 from osdp_jax.planner.segments import expand, expand_choices, param_columns, segments
+from osdp_jax.planner.tensor_pairs import tensor_roles
 from osdp_jax.planner.unit_policy import unmarked_list
 from osdp_jax.planner.verify import Superseded, verify
 from osdp_jax.runtime.step import (
@@ -106,6 +107,10 @@ class PlanOptions:
     rng: bool = False  # loss_fn takes rng=, as make_train_step(rng=True) gives it
     state: object = None  # mutable collections (arrays or ShapeDtypeStructs): loss_fn takes state= and
     #                       returns (loss, new_state), as make_train_step(state=True) takes it
+    tensor: object = None  # tensor parallelism over model_axis: None (none); "auto" (the pairs the model's dense
+    #                        calls show, osdp_jax.tensor_roles, and the faster of that plan and the plan with
+    #                        every mesh axis data-parallel); {pattern: "column" | "row"} (those pairs as well)
+    model_axis: str = "model"  # the mesh axis tensor parallelism splits over
 
 
 LEAST_TRIES = 4  # budget="least": plans at the least budget the last try's error names, at most this often
@@ -192,6 +197,9 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     plan_options = dataclasses.replace(options or PlanOptions(), **kwargs)
     if isinstance(plan_options.budget, str) and plan_options.budget.strip().lower() == "least":
         return _least_memory_plan(params, mesh, plan_options)
+    if plan_options.tensor is not None and not isinstance(plan_options.tensor, TensorRoles):
+        return _tensor_plan(params, mesh, plan_options)
+    roles = plan_options.tensor
     strategies, axes = check_strategies(plan_options.strategies), data_axes(mesh, plan_options.axis)
     plan_options = _checked(plan_options, strategies, axes)
     splits = check_splits(plan_options.splits)
@@ -202,7 +210,8 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     batches = _batches(plan_options.loss_fn, plan_options.batch, plan_options.batch_sizes, axes_size(mesh, axes))
     problem = build_problem(params, mesh, axes, strategies, splits, plan_options.loss_fn,
                             None if plan_options.batch is None else batches[min(batches)], plan_options.units,
-                            plan_options.unit_remat, check_dtype(plan_options.compute_dtype))
+                            plan_options.unit_remat, check_dtype(plan_options.compute_dtype),
+                            dict(roles.roles) if roles else None, roles.model_axis if roles else None)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     check_optimizer(optimizer, abstract)
     problem = _step_splits_worth_probing(problem, budget)
@@ -236,6 +245,64 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")
     return _timed(best, start, before)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRoles:
+    """Resolved tensor-parallel roles, as :func:`_tensor_plan` hands them to :func:`plan`."""
+
+    roles: tuple[tuple[str, str], ...]
+    model_axis: str
+
+
+def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
+    """``plan(tensor=...)``: the pairs found in the model's dense calls (and the patterns given),
+    split over ``model_axis`` with the other mesh axes data-parallel; with ``"auto"``, the faster
+    of that plan and the plan with every mesh axis data-parallel (each fitting its budget, each
+    verified as every plan is)."""
+    model, tensor = plan_options.model_axis, plan_options.tensor
+    if model not in mesh.axis_names:
+        raise ValueError(f"tensor= needs a model axis, but the mesh has no axis {model!r} (its axes are "
+                         f"{list(mesh.axis_names)}); pass model_axis= one of them, or build the mesh with one, "
+                         f"e.g. jax.make_mesh((2, 4), ('data', 'model'))")
+    if tensor != "auto" and not isinstance(tensor, dict):
+        raise ValueError(f"tensor must be None, 'auto' or a dict of parameter path patterns to 'column'/'row', "
+                         f"got {tensor!r}")
+    if plan_options.loss_fn is None or plan_options.batch is None:
+        raise ValueError("tensor= needs loss_fn and batch: the pairs are found by tracing the loss")
+    axes = tuple(a for a in mesh.axis_names if a != model) if plan_options.axis is None else \
+        data_axes(mesh, plan_options.axis)
+    if model in axes or not axes:
+        raise ValueError(f"with tensor=, the data-parallel axes are the mesh axes but the model axis {model!r}: "
+                         f"got {list(axes)}; pass axis= the others (a mesh of the model axis alone has none)")
+    loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
+    roles = tensor_roles(loss, params, batch, size=mesh.shape[model],
+                         hint=tensor if isinstance(tensor, dict) else None)
+    without = dataclasses.replace(plan_options, tensor=None)
+    if not roles:
+        log.info("tensor parallelism: no column/row pair found in the model's dense calls; planned without")
+        return plan(params, mesh, without)
+    log.info("tensor parallelism over %r: %d parameters split (%s)", model, len(roles),
+             ", ".join(sorted(roles)[:3]) + (" ..." if len(roles) > 3 else ""))
+    options = [dataclasses.replace(plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model), axis=axes)]
+    sizes = plan_options.batch_sizes or (check_batch_leaves(plan_options.batch),)
+    if tensor == "auto" and all(b % mesh.size == 0 for b in sizes):  # else only tensor parallelism can split it
+        options.append(dataclasses.replace(without, axis=None))
+    plans, errors = [], []
+    for one in options:  # each planned and verified whole: two configurations of the mesh, two searches
+        try:
+            plans.append(plan(params, mesh, one))
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+    if not plans:
+        raise min(errors, key=lambda e: e.min_bytes)
+    best = max(plans, key=functools.partial(_speed, gain=plan_options.segment_gain))
+    if len(plans) > 1:
+        log.info("tensor parallelism: %s (predicted %.1f against %.1f samples/s)",
+                 "used" if best.model_axis else "not used", best.predicted_samples_per_second or 0.0,
+                 min(p.predicted_samples_per_second or 0.0 for p in plans))
+    return best
 
 
 def _checked(plan_options: PlanOptions, strategies: tuple, axes: tuple) -> PlanOptions:
@@ -437,7 +504,7 @@ def _accumulated(tables, microbatches: int, problem: Problem):
     if microbatches == 1:
         return tables
     time_, mem = tables.time.copy(), tables.mem.copy()
-    p = np.array([i.nbytes for i in problem.infos], dtype=np.float64)
+    p = np.array([i.nbytes for i in problem.cost_infos()], dtype=np.float64)
     stacked = np.array([i.path in problem.in_loop for i in problem.infos])
     for c, (strategy, _, *rest) in enumerate(tables.columns):
         whole = (stacked & (strategy == "zero2")) | (accumulation(strategy, *rest) == "whole")
@@ -517,12 +584,14 @@ class _ProblemPlanning:
 
     def _tables(self, size, overlap: float, unit_scale: float):
         problem, microbatches = self.problem, self.microbatches
-        t = cost_tables(list(problem.infos), problem.available, problem.columns, self.opt_bytes, self.other_opt,
+        t = cost_tables(problem.cost_infos(), problem.available, problem.columns,
+                        self.opt_bytes * problem.model_share(), self.other_opt,
                         problem.topo, self.hw, _batch_bytes(self.batches[size]),
                         self.calibrated.calibrations[size], problem.in_loop, frozenset(problem.units), overlap,
                         problem.gather_ratio(),
                         frozenset(p for p, u in problem.units.items() if u == problem.last_unit),
                         problem.saving_bytes(), unit_scale)
+        t = _with_tensor_seconds(t, problem, size, self.hw)
         if microbatches > 1:  # the whole global batch is an argument; the probe held one microbatch of it
             extra = _batch_bytes(self.batches[size]) - _batch_bytes(self.probe_batches[size])
             t = dataclasses.replace(_accumulated(t, microbatches, problem),
@@ -667,6 +736,22 @@ class _ProblemPlanning:
         log.info("units' savings scaled by %.2f on the compiled plan (XLA peak %s, predicted %s); re-planning",
                  new, format_bytes(plan.xla_peak_bytes), format_bytes(plan.predicted_peak_bytes))
         return self._replan(self.tables_for(ours, new), ours, new)
+
+
+def _with_tensor_seconds(tables, problem: Problem, size: int, hw):
+    """``tables`` with each row kernel's model-axis collectives added to its every choice: its
+    layer's output all-reduced forward and its column layers' input gradient backward, two
+    all-reduces of ``problem.tensor_bytes`` per sample times the samples per data-parallel group
+    over the model axis's t devices, ``2 (a + 2 (t-1)/t V / W)`` seconds."""
+    if not problem.tensor_bytes or size is None:
+        return tables
+    time = tables.time.copy()
+    for i, info in enumerate(problem.infos):
+        per_sample = problem.tensor_bytes.get(info.path)
+        if per_sample:
+            seconds = 2 * hw.all_reduce(per_sample * size / problem.n, problem.model_size)
+            time[i] = np.where(np.isfinite(time[i]), time[i] + seconds, time[i])
+    return dataclasses.replace(tables, time=time)
 
 
 def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:
@@ -939,7 +1024,8 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                              split=split, two_stage=bool(items.two_stage[k, c]), dense=i.path in problem.dense,
                              unit=problem.units.get(i.path, "") if strategy in GATHERED and split == 1 else "",
                              gather_dtype=problem.compute_dtype if strategy in GATHERED else "",
-                             accumulate=accumulate[0] if accumulate else "", model_loop=i.path in problem.model_loop))
+                             accumulate=accumulate[0] if accumulate else "", model_loop=i.path in problem.model_loop,
+                             tensor=problem.tensor.get(i.path, "")))
     collectives = float(sum(items.time[i, c] for i, ((kind, _), c) in enumerate(zip(items.owner, sol.choices))
                             if kind != "remat"))
     return Plan(params=tuple(pps), axes=problem.axes, num_devices=problem.n, batch_size=size, budget_bytes=budget,
@@ -949,7 +1035,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
                 compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat, pool_overlap=overlap,
-                unit_scale=unit_scale)
+                unit_scale=unit_scale, model_axis=problem.model_axis)
 
 
 def _infeasible_message(budget, min_needed, strategies, axes) -> str:

@@ -19,6 +19,7 @@ from osdp_jax.core.describe import ParamInfo, check_trainable, describe
 from osdp_jax.core.layout import Layout, ParamLayout, one_segment
 from osdp_jax.core.stack import Segment, check_remat
 from osdp_jax.core.strategies import GATHERED, axes_size, sharded_dim, spec_for
+from osdp_jax.core.tensor import split_dim
 from osdp_jax.planner.cost import Topology
 from osdp_jax.planner.discover import find
 from osdp_jax.planner.unit_policy import from_found
@@ -51,6 +52,25 @@ class Problem:
     unit_saved: dict = dataclasses.field(default_factory=dict)  # unit -> activation bytes its calls save
     fingerprint: str = ""  # the loss's, as traced at the smallest batch size (``_discover.fingerprint``)
     model_loop: frozenset[str] = frozenset()  # in_loop, sliced per iteration by the model's own scan
+    tensor: dict = dataclasses.field(default_factory=dict)  # path -> "column"/"row" over model_axis
+    model_axis: str | None = None  # the mesh axis those are split over (osdp_jax.core.tensor)
+    model_size: int = 1  # devices on model_axis
+    tensor_bytes: dict = dataclasses.field(default_factory=dict)  # row kernel path -> bytes of its output per
+    #                                                                 global sample (all-reduced over model_axis)
+
+    def model_share(self) -> np.ndarray:
+        """Per parameter, the share of it one device of the model axis holds (1/t split, else 1)."""
+        return np.array([1.0 / self.model_size if split_dim(i.shape, self.tensor.get(i.path, "")) is not None
+                         else 1.0 for i in self.infos])
+
+    def cost_infos(self) -> list[ParamInfo]:
+        """The parameters as one device of the model axis holds them: a split one's dimension 1/t."""
+        out = []
+        for i in self.infos:
+            dim = split_dim(i.shape, self.tensor.get(i.path, ""))
+            out.append(i if dim is None else dataclasses.replace(
+                i, shape=tuple(n // self.model_size if d == dim else n for d, n in enumerate(i.shape))))
+        return out
 
     def gather_ratio(self) -> np.ndarray:
         """Per parameter, bytes gathered per byte stored: itemsize(compute_dtype) / its itemsize
@@ -96,6 +116,11 @@ class Problem:
         return np.array([[o is not None for o in row] for row in self.options], dtype=bool)
 
     def spec_of(self, info: ParamInfo, strategy: str) -> P | None:
+        """``info``'s storage spec over the data axes under ``strategy`` (None: it cannot take it);
+        a parameter split over the model axis is sharded along another dimension."""
+        dim = split_dim(info.shape, self.tensor.get(info.path, ""))
+        if dim is not None:
+            info = dataclasses.replace(info, shape=tuple(1 if d == dim else n for d, n in enumerate(info.shape)))
         return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner)
 
     def _sharded_columns(self) -> np.ndarray:
@@ -134,7 +159,7 @@ class Problem:
         model whose activations and parameters are spread the opposite ways over its units (a
         ResNet: early blocks hold the activations, late ones the parameters). Without a figure for
         every unit (a call ``jax.vjp`` could not trace): the bytes."""
-        p = np.array([i.nbytes for i in self.infos], dtype=np.float64)
+        p = np.array([i.nbytes for i in self.cost_infos()], dtype=np.float64)
         saving = [u for u in set(self.units.values()) if u != self.last_unit]
         if not saving or any(self.unit_saved.get(u) is None for u in saving):
             return p
@@ -177,8 +202,28 @@ class Problem:
             params.append(ParamLayout(i.path, spec, strategy, i.path in self.in_loop, k, False,
                                       i.path in self.dense, segs, unit,
                                       self.compute_dtype if strategy == "zero3" else "",
-                                      model_loop=i.path in self.model_loop))
-        return Layout(tuple(params), self.axes, unit_remat=self.unit_remat)
+                                      model_loop=i.path in self.model_loop, tensor=self.tensor.get(i.path, "")))
+        return Layout(tuple(params), self.axes, unit_remat=self.unit_remat, model_axis=self.model_axis)
+
+
+TENSOR_WITH = ("replicate", "zero3")  # the data-parallel strategies a parameter split over the model axis takes
+
+
+def _tensor_bytes(tensor: dict, infos, found, batch) -> dict[str, float]:
+    """Row kernel path -> the bytes of its layer's output per global sample: its input's
+    recorded shape (at ``batch``'s size) but for the last dimension, times its output features."""
+    if found is None or not tensor:
+        return {}
+    size = int(jax.tree.leaves(batch)[0].shape[0])
+    by_path = {i.path: i for i in infos}
+    out = {}
+    for path, role in tensor.items():
+        shape = found.dense_inputs.get(path)
+        if role != "row" or not shape or path not in by_path:
+            continue
+        info = by_path[path]
+        out[path] = float(np.prod(shape[:-1])) / size * info.shape[-1] * np.dtype(info.dtype).itemsize
+    return out
 
 
 def _probe_segments(layers: int, under: int, spec, strategy: str, k: int, remat: str) -> tuple:
@@ -213,7 +258,8 @@ def _split_counts(problem: Problem, info: ParamInfo, strategy: str, splittable, 
 
 
 def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=None, units=None,
-                  unit_remat: str = "full", compute_dtype: str = "") -> Problem:
+                  unit_remat: str = "full", compute_dtype: str = "", tensor=None,
+                  model_axis: str | None = None) -> Problem:
     """The problem for ``params`` on ``mesh``'s data-parallel ``axes``; with ``loss_fn`` and an
     (abstract) ``batch``, the loss is traced once to find per-layer parameters, dense kernels and
     units (``units``: patterns of the units to use, None: the default policy, ``()``: none; see
@@ -221,7 +267,9 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
 
     Columns: every allowed strategy at k = 1, then the sharded ones at each k > 1 of ``splits``.
     A parameter no allowed strategy can store (a 0-d scalar, or no dimension the devices divide,
-    under zero3) is replicated, the one layout that always applies.
+    under zero3) is replicated, the one layout that always applies. ``tensor`` (path ->
+    ``"column"``/``"row"``) splits those parameters over the mesh axis ``model_axis`` in every
+    layout; they take replicate or zero3 only, unsplit and outside units.
     """
     infos = tuple(describe(params))
     check_trainable(infos)
@@ -247,6 +295,10 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         fingerprint = found.fingerprint
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
+    tensor = {p: r for p, r in (tensor or {}).items() if p not in in_loop}  # a stack's kernels stay data-parallel
+    if tensor:
+        unit_of = {p: u for p, u in unit_of.items() if p not in tensor}
+        splittable = splittable - set(tensor)
     topo = Topology(tuple(axes), tuple(mesh.shape[a] for a in axes))
     names = strategies if "replicate" in strategies else (*strategies, "replicate")
     sharded = [s for s in GATHERED if s in strategies]
@@ -254,7 +306,9 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     problem = Problem(infos, tuple(axes), axes_size(mesh, axes), topo, tuple(strategies), columns, (),
                       in_loop, dense, stacks=stacks, units=unit_of, unit_remat=check_remat(unit_remat),
                       last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint,
-                      model_loop=model_loop)
+                      model_loop=model_loop, tensor=tensor, model_axis=model_axis if tensor else None,
+                      model_size=mesh.shape[model_axis] if tensor else 1,
+                      tensor_bytes=_tensor_bytes(tensor, infos, found if loss_fn is not None else None, batch))
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     if 1 not in splits:  # a kernel that must split is gathered slice by slice, never whole with a unit
         must_split = {path for (path, _), counts in ks.items() if counts}
@@ -263,7 +317,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
     for i in infos:
         row = []
         for s, k in columns:
-            spec = problem.spec_of(i, s) if s in strategies else None
+            spec = problem.spec_of(i, s) if s in strategies and (i.path not in tensor or s in TENSOR_WITH) else None
             if s in sharded and k > 1 and k not in ks[i.path, s]:
                 spec = None
             if s in sharded and k == 1 and 1 not in splits and ks[i.path, s]:

@@ -117,6 +117,7 @@ class StepContext:
     recorded_loop: set = dataclasses.field(default_factory=set)
     recorded_split: set = dataclasses.field(default_factory=set)
     recorded_dense: list = dataclasses.field(default_factory=list)  # discovery: kernel paths in first-call order
+    recorded_inputs: dict = dataclasses.field(default_factory=dict)  # discovery: kernel path -> its input's shape
     recorded_stacks: list = dataclasses.field(default_factory=list)  # paths of each layers.scan call
     per_step: frozenset = frozenset()  # sharded parameters gathered whole before the loss
     units: dict = dataclasses.field(default_factory=dict)  # path -> the unit it is gathered at (runtime.units)

@@ -34,7 +34,7 @@ def dense(x, kernel, bias=None, *, precision=None, dtype=None):
       precision: passed to the matmul.
       dtype: compute dtype that inputs, kernel and bias are promoted to (default: their common type).
     """
-    record(kernel)
+    record(kernel, x)
     if not isinstance(kernel, SplitKernel):
         if dtype is not None:
             x, kernel = x.astype(dtype), kernel.astype(dtype)
@@ -46,8 +46,9 @@ def dense(x, kernel, bias=None, *, precision=None, dtype=None):
     return y + bias.astype(y.dtype) if bias is not None else y
 
 
-def record(kernel) -> None:
-    """During discovery, note that ``kernel`` (a 2-D parameter) reaches a splittable dense layer."""
+def record(kernel, x=None) -> None:
+    """During discovery, note that ``kernel`` (a 2-D parameter) reaches a splittable dense layer,
+    and the shape of its input ``x`` (the first call's)."""
     ctx = ACTIVE.get()
     if ctx is not None and ctx.recording and getattr(kernel, "ndim", 0) == 2:
         path = ctx.lookup(kernel)
@@ -55,3 +56,4 @@ def record(kernel) -> None:
             ctx.recorded_split.add(path)
             if path not in ctx.recorded_dense:
                 ctx.recorded_dense.append(path)
+                ctx.recorded_inputs[path] = tuple(getattr(x, "shape", ()))

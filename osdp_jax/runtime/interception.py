@@ -145,7 +145,7 @@ def _linen_layer(next_fun, args, kwargs, context):
                 or module.dot_general_cls is not None):
             return next_fun(*args, **kwargs)
         kernel = module.scope.get_variable("params", "kernel")
-        record(kernel)
+        record(kernel, args[0])
         if not isinstance(kernel, SplitKernel):
             return _tensor_output(kernel, next_fun(*args, **kwargs))
         bias = module.scope.get_variable("params", "bias") if module.use_bias else None
@@ -162,7 +162,7 @@ def _linen_layer(next_fun, args, kwargs, context):
 
 def _nnx_linear(original, self, inputs, out_sharding=None):
     kernel = self.kernel[...]
-    record(kernel)
+    record(kernel, inputs)
     if not isinstance(kernel, SplitKernel):
         return _tensor_output(kernel, original(self, inputs, out_sharding))
     if out_sharding is not None or getattr(self, "dot_general", jax.lax.dot_general) is not jax.lax.dot_general:
