@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import toy
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -299,3 +300,21 @@ def test_tensor_options_that_cannot_work_are_one_clear_error():
         osdp_jax.plan(params, _mesh(), budget="1GB", tensor="auto")
     with pytest.raises(ValueError, match="tensor must be None, 'auto' or a dict"):
         osdp_jax.plan(params, _mesh(), budget="1GB", loss_fn=loss_fn, batch=batch, tensor="yes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["gpt2-mini", "opt-mini", "bert-mini"])
+def test_the_minis_planned_with_their_pairs_split_train_like_one_device(preset):
+    """The repository's layer-stack models (osdp_jax.layers.scan): each block's MLP pairs per layer;
+    ``tensor={}`` plans with the found pairs split (no comparison with the plan without)."""
+    from osdp_jax import models
+    mesh = _mesh()
+    module, cfg, _ = models.get(preset)
+    params, loss_fn, batch = models.init_params(module, 16, seed=0), models.make_loss(module), \
+        toy.lm_batch(cfg.vocab_size, 8, 16)
+    opt = optax.adam(1e-3)
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt, tensor={})
+    assert plan.model_axis == "model" and sorted(plan.tensor.values()).count("row") >= 1
+    assert all(plan.params[i].in_loop for i, pp in enumerate(plan.params) if pp.tensor == "row")
+    losses, _ = _train(loss_fn, params, batch, mesh, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)

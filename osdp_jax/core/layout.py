@@ -235,7 +235,8 @@ class Layout:
         ``tensor``: path -> ``"column"`` or ``"row"``, tensor parallelism over the mesh axis
         ``model_axis`` (default ``"model"``; it must not be a data-parallel axis, so pass
         ``axis=``): a column kernel split on its output features, a row kernel on its input features
-        (``osdp_jax.core.tensor``); a parameter of a layer stack cannot take one."""
+        (``osdp_jax.core.tensor``); a stack's parameter is split per layer, one of the model's own
+        scan (``model_loop``) cannot take one."""
         axes = data_axes(mesh, axis)
         tensor = dict(tensor or {})
         model_axis = _model_axis(mesh, axes, model_axis, bool(tensor))
@@ -310,12 +311,18 @@ def _tensor_layout(pl: ParamLayout, info, tensor: dict, mesh, model_axis: str | 
     role = tensor.get(pl.path, "")
     if not role:
         return pl
-    why = ("layer-stacked" if pl.in_loop else pl.strategy if pl.strategy in ("zero2", "hsdp")
-           else f"split in {pl.split}" if pl.split > 1 else f"in unit {pl.unit!r}" if pl.unit else "")
+    strategies = {seg.strategy for seg in pl.segments} | {pl.strategy}
+    bad = sorted(strategies & {"zero2", "hsdp"})
+    why = ("sliced by the model's own scan (model_loop)" if pl.model_loop else bad[0] if bad
+           else f"split in {split}" if (split := max([pl.split, *(seg.split for seg in pl.segments)])) > 1
+           else f"in unit {pl.unit!r}" if pl.unit else "")
     if why:
         raise ValueError(f"parameter {pl.path!r} is {why}: tensor parallelism applies to replicated or zero3 "
-                         f"parameters of dense layers outside layer stacks and units, unsplit")
-    check_tensor(pl.path, info.shape, role, pl.spec, model_axis, mesh.shape[model_axis])
+                         f"parameters of dense layers (layer stacks of osdp_jax.layers.scan included) outside "
+                         f"units, unsplit")
+    for seg in pl.segments or (None,):
+        check_tensor(pl.path, info.shape, role, seg.spec if seg else pl.spec, model_axis, mesh.shape[model_axis],
+                     pl.in_loop)
     return dataclasses.replace(pl, tensor=role)
 
 
@@ -434,11 +441,12 @@ def spec_tree(params, layout):
                     f"parameter {name!r} is stored as {x!r} but the plan stores it in layer segments "
                     f"{[f'{a}-{b - 1}' for a, b in bounds]}: place the params with osdp_jax.shard(params, mesh, "
                     f"plan) (osdp_jax.merge_segments gives whole arrays back)")
-            return Segmented([s.spec for s in pl.segments], bounds)
+            return Segmented([storage_spec(s.spec, x.shape, pl.tensor, layout.model_axis, True) for s in pl.segments],
+                             bounds)
         if isinstance(x, Segmented):
             raise ValueError(f"parameter {name!r} is stored in layer segments {x!r} that the plan does not "
                              f"use: merge them first with osdp_jax.merge_segments, then shard under this plan")
-        return storage_spec(pl.spec, np.shape(x), pl.tensor, layout.model_axis)
+        return storage_spec(pl.spec, np.shape(x), pl.tensor, layout.model_axis, pl.in_loop)
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_segmented)
 
 

@@ -158,7 +158,8 @@ class Plan:
     @property
     def specs(self):
         """Pytree of storage ``PartitionSpec`` shaped like the (unboxed) params, a model axis included."""
-        return self._tree([storage_spec(pp.spec, pp.shape, pp.tensor, self.model_axis) for pp in self.params])
+        return self._tree([storage_spec(pp.spec, pp.shape, pp.tensor, self.model_axis, pp.in_loop)
+                           for pp in self.params])
 
     @property
     def tensor(self) -> dict[str, str]:
@@ -250,7 +251,7 @@ class Plan:
             notes = [where] if where else []
             notes += ["2-stage"] if pps[0].two_stage else []
             notes += [f"{tensor}-parallel"] if tensor else []
-            spec = storage_spec(spec, shape, tensor, self.model_axis)
+            spec = storage_spec(spec, shape, tensor, self.model_axis, pps[0].in_loop)
             notes += [f"in {pps[0].gather_dtype}"] if pps[0].gather_dtype else []
             if self.microbatches > 1 and accumulate:  # where the gradient is summed, when not the default
                 notes.append(("kept across microbatches" if strategy in GATHERED else "grad summed whole")

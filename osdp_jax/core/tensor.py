@@ -30,20 +30,22 @@ from jax.sharding import PartitionSpec as P
 ROLES = ("column", "row")
 
 
-def split_dim(shape, role: str) -> int | None:
+def split_dim(shape, role: str, stacked: bool = False) -> int | None:
     """The dimension of a parameter of ``shape`` that ``role`` splits over the model axis:
-    a column kernel's last, a column bias's only one, a row kernel's first; None for a row bias
-    (kept whole) and no role."""
+    a column kernel's last, a column bias's only one, a row kernel's input features; None for a
+    row bias (kept whole) and no role. ``stacked``: a layer stack's parameter, whose leading
+    dimension is the layer axis (a layer's kernel is ``shape[1:]``)."""
+    layer = len(shape) - int(stacked)
     if role == "column":
-        return len(shape) - 1 if shape else None
+        return len(shape) - 1 if layer >= 1 else None
     if role == "row":
-        return 0 if len(shape) >= 2 else None
+        return len(shape) - 2 if layer >= 2 else None
     return None
 
 
-def storage_spec(spec: P, shape, role: str, model_axis: str | None) -> P:
+def storage_spec(spec: P, shape, role: str, model_axis: str | None, stacked: bool = False) -> P:
     """``spec`` (the data-parallel spec) with ``model_axis`` at the dimension ``role`` splits."""
-    dim = split_dim(shape, role) if model_axis else None
+    dim = split_dim(shape, role, stacked) if model_axis else None
     if dim is None:
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
@@ -66,15 +68,15 @@ def output_spec(ndim: int, role: str, model_axis: str) -> P:
     return P()
 
 
-def check_tensor(path: str, shape, role: str, spec: P, model_axis: str, size: int) -> None:
+def check_tensor(path: str, shape, role: str, spec: P, model_axis: str, size: int, stacked: bool = False) -> None:
     """One ``ValueError`` naming ``path`` when it cannot be split as ``role`` over a model axis
     of ``size`` devices under its data-parallel ``spec``."""
     if role not in ROLES:
         raise ValueError(f"parameter {path!r}: tensor role must be one of {list(ROLES)}, got {role!r}")
-    if len(shape) not in (1, 2):
-        raise ValueError(f"parameter {path!r} {tuple(shape)}: only dense kernels (2-D) and their biases "
-                         f"(1-D) can be split over the model axis")
-    dim = split_dim(shape, role)
+    if len(shape) - int(stacked) not in (1, 2):
+        raise ValueError(f"parameter {path!r} {tuple(shape)}: only dense kernels (2-D, per layer of a stack) and "
+                         f"their biases (1-D) can be split over the model axis")
+    dim = split_dim(shape, role, stacked)
     if dim is None:
         return
     if shape[dim] % size:

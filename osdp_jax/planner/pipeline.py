@@ -1015,7 +1015,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                                  two_stage=head.two_stage, dense=i.path in problem.dense, segments=s,
                                  model_loop=i.path in problem.model_loop,
                                  gather_dtype=problem.compute_dtype if any(x.strategy in GATHERED for x in s)
-                                 else ""))
+                                 else "", tensor=problem.tensor.get(i.path, "")))
             continue
         c = whole[k]
         strategy, split, *accumulate = problem.columns[c]

@@ -60,14 +60,16 @@ class Problem:
 
     def model_share(self) -> np.ndarray:
         """Per parameter, the share of it one device of the model axis holds (1/t split, else 1)."""
-        return np.array([1.0 / self.model_size if split_dim(i.shape, self.tensor.get(i.path, "")) is not None
-                         else 1.0 for i in self.infos])
+        return np.array([1.0 / self.model_size if self._split_dim(i) is not None else 1.0 for i in self.infos])
+
+    def _split_dim(self, info: ParamInfo) -> int | None:
+        return split_dim(info.shape, self.tensor.get(info.path, ""), info.path in self.in_loop)
 
     def cost_infos(self) -> list[ParamInfo]:
         """The parameters as one device of the model axis holds them: a split one's dimension 1/t."""
         out = []
         for i in self.infos:
-            dim = split_dim(i.shape, self.tensor.get(i.path, ""))
+            dim = self._split_dim(i)
             out.append(i if dim is None else dataclasses.replace(
                 i, shape=tuple(n // self.model_size if d == dim else n for d, n in enumerate(i.shape))))
         return out
@@ -118,7 +120,7 @@ class Problem:
     def spec_of(self, info: ParamInfo, strategy: str) -> P | None:
         """``info``'s storage spec over the data axes under ``strategy`` (None: it cannot take it);
         a parameter split over the model axis is sharded along another dimension."""
-        dim = split_dim(info.shape, self.tensor.get(info.path, ""))
+        dim = self._split_dim(info)
         if dim is not None:
             info = dataclasses.replace(info, shape=tuple(1 if d == dim else n for d, n in enumerate(info.shape)))
         return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner)
@@ -222,7 +224,8 @@ def _tensor_bytes(tensor: dict, infos, found, batch) -> dict[str, float]:
         if role != "row" or not shape or path not in by_path:
             continue
         info = by_path[path]
-        out[path] = float(np.prod(shape[:-1])) / size * info.shape[-1] * np.dtype(info.dtype).itemsize
+        layers = info.shape[0] if len(info.shape) == 3 else 1  # a layer stack's: one all-reduce pair per layer
+        out[path] = layers * float(np.prod(shape[:-1])) / size * info.shape[-1] * np.dtype(info.dtype).itemsize
     return out
 
 
@@ -295,7 +298,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
         fingerprint = found.fingerprint
         if unit_of:
             log.info("units: %s", ", ".join(sorted(set(unit_of.values()))))
-    tensor = {p: r for p, r in (tensor or {}).items() if p not in in_loop}  # a stack's kernels stay data-parallel
+    tensor = {p: r for p, r in (tensor or {}).items() if p not in model_loop}  # a model's own scan: data-parallel
     if tensor:
         unit_of = {p: u for p, u in unit_of.items() if p not in tensor}
         splittable = splittable - set(tensor)

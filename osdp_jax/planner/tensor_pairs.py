@@ -10,9 +10,11 @@ layers are first called. From that order and the kernels' shapes :func:`find_pai
 - as its *columns*, the run of kernels called just before it, in the same parent module, each
   ``(D_i, F)`` with ``D_i != F``: an MLP's up (and gate) kernels before its down kernel.
 
-A kernel is in one pair at most; a kernel in none stays data-parallel only. Square kernels
-(attention's q/k/v/o projections of width d) are not paired from shapes, since the calls alone
-do not show whether one layer reads another's output: name them with
+A layer stack's kernels (``osdp_jax.layers.scan``) pair by their layers' shapes; a model's own
+scan's (``nn.scan``) do not pair. A kernel is in one pair at most; a kernel in none stays
+data-parallel only. Square kernels (attention's q/k/v/o projections of width d) are not paired
+from shapes, since the calls alone do not show whether one layer reads another's output: name
+them with
 ``tensor_roles(..., hint=...)`` patterns. The pairing decides only where the model axis's
 collectives go, never the result: the step leaves that axis to XLA's partitioner, which keeps
 any pairing exact.
@@ -72,9 +74,11 @@ def tensor_roles(loss_fn, params, batch, *, size: int = 1, hint=None) -> dict[st
     """
     infos = {i.path: i.shape for i in describe(params)}
     found = find(loss_fn, params, batch)
+    # a layer stack's kernels (osdp_jax.layers.scan) pair per layer; a model's own scan's do not
+    layer = {p: s[1:] if p in found.in_loop else s for p, s in infos.items() if p not in found.model_loop}
     roles: dict[str, str] = {}
-    for columns, row in find_pairs(found.dense_order, infos):
-        if infos[row][0] % size == 0:
+    for columns, row in find_pairs([p for p in found.dense_order if p in layer], layer):
+        if layer[row][0] % size == 0:
             roles.update({c: "column" for c in columns}, **{row: "row"})
     for pattern, role in (hint or {}).items():
         if role not in ROLES:

@@ -147,7 +147,7 @@ class StepContext:
             self.kernels[id(array)] = (array, path)
             self.param_shapes[path] = tuple(getattr(array, "shape", ()))
             return array
-        role = self.tensor.get(path)
+        role = self.tensor.get(path) if isinstance(array, jax.Array) else None  # a stack's: per layer (runtime.stack)
         model = storage_spec(P(), array.shape, role, self.model_axis) if role else None
         if model is not None:
             array = jax.lax.with_sharding_constraint(array, model)

@@ -395,8 +395,9 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
                                                   pl.two_stage, "full")
             for seg in segments:
                 c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype)
+                model = storage_spec(P(), shapes[pl.path][1:], pl.tensor, layout.model_axis) if pl.tensor else None
                 runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
-                                       axes_size(mesh, c.axes) if c else 1, seg.remat))
+                                       axes_size(mesh, c.axes) if c else 1, seg.remat, pl.tensor, model))
             # sliced per iteration by the model's own scan (runtime.model_loops), or by layers.scan
             (loops if pl.model_loop else stacks)[pl.path] = tuple(runs)
             continue

@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from osdp_jax.core.layout import Collective
 from osdp_jax.core.stack import GATHERED_NAME, check_remat, is_segmented, remat_policy
-from osdp_jax.runtime.collectives import gather
+from osdp_jax.runtime.collectives import gather_split
 from osdp_jax.runtime.context import ACTIVE, SplitKernel, SplitSpec
 
 log = logging.getLogger("osdp_jax")
@@ -41,6 +41,8 @@ class SegmentRun(NamedTuple):
     k: int  # split count (1: gathered whole)
     n: int  # devices in the gather
     remat: str
+    tensor: str = ""  # "column"/"row": a layer's slice split over the model axis (core.tensor)
+    model: object = None  # that slice's PartitionSpec over the model axis
 
 
 class StackView:
@@ -77,13 +79,23 @@ class StackView:
         """One layer's slice ``local`` of segment j, as ``layer_fn`` gets it."""
         run = self.runs[j]
         if run.how is None:
-            return local
+            return _tensor_slice(local, run)
         if run.k > 1:
             return SplitKernel(local, self.shape[1:], SplitSpec(run.dim - 1, run.how, run.k), self.path)
-        return checkpoint_name(gather(local, run.dim - 1, run.how), GATHERED_NAME)
+        return _tensor_slice(checkpoint_name(gather_split(local, run.dim - 1, run.how, run.model), GATHERED_NAME), run)
 
     def __repr__(self):
         return f"StackView({self.path!r}, shape={self.shape}, segments={len(self.runs)})"
+
+
+def _tensor_slice(layer, run: SegmentRun):
+    """A layer's slice kept split over the model axis, and known to the dense layers as split
+    (``StepContext.tensor_output``), when its parameter has a tensor role."""
+    if not run.tensor:
+        return layer
+    layer = jax.lax.with_sharding_constraint(layer, run.model)
+    ACTIVE.get().tensor_ids[id(layer)] = (layer, run.tensor)
+    return layer
 
 
 def _is_view(x) -> bool:
