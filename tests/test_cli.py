@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+import osdp_jax
 from osdp_jax.cli import main as cli
 
 # the three minis, ~25 s each, with -m slow
@@ -159,6 +160,23 @@ def test_compare_mini(tmp_path):
     rows = json.loads((out / "comparison.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["DDP", "FSDP", "OSDP"]
     assert (out / "comparison.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_compare_mini_with_tensor_parallelism_adds_its_row(tmp_path):
+    """plan.tensor = "on" on a 2 (data) x 4 (model) mesh: compare adds OSDP+TP, planned with the
+    MLP pairs split over the model axis (nothing trained: that the plans train like one device is
+    ``tests/test_tensor.py``'s)."""
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--out", str(out), "--measure-steps", "0",
+                     "--plan.batch_sizes=32", "--mesh.shape=2,4", "--mesh.axes=data,model",
+                     "--plan.tensor=on"]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
+    assert list(rows) == ["DDP", "FSDP", "HSDP", "OSDP", "OSDP+TP"]
+    tp = rows["OSDP+TP"]
+    assert tp["fits"] and tp["model_axis"] == "model" and tp["tensor"] > 0
+    assert tp["xla_peak_bytes"] <= osdp_jax.parse_bytes("3MiB")  # the config's budget
+    assert rows["OSDP"]["tensor"] == 0 and "split over 'model'" in (out / "comparison.md").read_text()
 
 
 @pytest.mark.slow

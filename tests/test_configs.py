@@ -51,6 +51,8 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\nunit_remat = "dot"\n', r"plan\.unit_remat: unknown remat policy 'dot'"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n',
      r"plan\.segment_gain: segment_gain must be a number >= 0"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\ntensor = "auto"\n', r"plan\.tensor: must be 'off' or 'on'"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\ntensor = "on"\n', r"plan\.model_axis: tensor = 'on' needs a mesh"),
 ])
 def test_bad_configs(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -54,6 +54,8 @@ class PlanConfig:
     microbatches: tuple[int, ...] = (1,)  # gradient-accumulation counts searched with the batch size
     measure_time: bool = False  # time the probe steps on this mesh to calibrate the time model
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
+    tensor: str = "off"  # "on": compare also adds OSDP+TP, the model's column/row pairs split over model_axis
+    model_axis: str = "model"  # the mesh axis tensor parallelism splits over (with tensor = "on")
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
     probe_store: bool = True  # also keep the planner's probe figures in compilation_cache/probes
 
@@ -115,6 +117,12 @@ def _check(cfg: ExperimentConfig):
         _fail("mesh.shape", f"sizes must be positive, got {list(cfg.mesh.shape)}")
     if len(set(cfg.mesh.axes)) != len(cfg.mesh.axes):
         _fail("mesh.axes", f"names must be distinct, got {list(cfg.mesh.axes)}")
+    if cfg.plan.tensor not in ("off", "on"):
+        _fail("plan.tensor", f"must be 'off' or 'on', got {cfg.plan.tensor!r}")
+    if cfg.plan.tensor == "on" and (cfg.plan.model_axis not in cfg.mesh.axes or len(cfg.mesh.axes) < 2):
+        _fail("plan.model_axis", f"tensor = 'on' needs a mesh with the model axis {cfg.plan.model_axis!r} and a "
+                                 f"data axis beside it, e.g. mesh.shape = [2, 4] and mesh.axes = ['data', "
+                                 f"'{cfg.plan.model_axis}']; the mesh's axes are {list(cfg.mesh.axes)}")
     n = math.prod(cfg.mesh.shape)
     if not cfg.plan.batch_sizes:
         _fail("plan.batch_sizes", "give at least one batch size")

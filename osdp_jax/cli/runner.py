@@ -8,6 +8,7 @@ import math
 import pathlib
 import statistics
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +124,10 @@ def at_budget(s: Setup, budget) -> Setup:
                                                                                           budget=str(budget))))
 
 
-def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, per_layer=None) -> osdp_jax.Plan:
-    """``osdp_jax.plan`` with the config's options (``verify="full"`` for a plan trained at once)."""
+def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, per_layer=None,
+              tensor=None) -> osdp_jax.Plan:
+    """``osdp_jax.plan`` with the config's options (``verify="full"`` for a plan trained at once);
+    ``tensor``: ``plan(tensor=)`` over the config's model axis."""
     p = s.cfg.plan
     return osdp_jax.plan(
         s.abstract_params(), s.mesh, budget=p.budget, loss_fn=s.loss_fn,
@@ -137,7 +140,7 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         compute_dtype=p.compute_dtype or s.cfg.model.compute_dtype or None,
         # the config's microbatch counts for its own space; a method with its strategies fixed
         # (DDP, FSDP, ZeRO-2, OSDP as the original) runs the whole batch at once
-        microbatches=p.microbatches if strategies is None else (1,))
+        microbatches=p.microbatches if strategies is None else (1,), tensor=tensor, model_axis=p.model_axis)
 
 
 def addition_accuracy(s: Setup, params) -> float:
@@ -519,13 +522,37 @@ class _Run:
         return summary
 
 
-def methods(s: Setup) -> list[tuple]:
+class Method(NamedTuple):
+    """One method ``compare`` and the budget sweep plan: its name and ``make_plan``'s arguments."""
+
+    name: str
+    strategies: tuple | None
+    splits: tuple | None
+    remat: tuple | None
+    per_layer: bool | None
+    tensor: dict | None = None
+
+    def plan(self, s: "Setup", verify) -> osdp_jax.Plan:
+        return make_plan(s, strategies=self.strategies, splits=self.splits, remat=self.remat,
+                         per_layer=self.per_layer, verify=verify, tensor=self.tensor)
+
+
+def methods(s: Setup) -> list[Method]:
     """``(name, strategies, splits, remat, per_layer)`` of the methods compared: the baselines do
     not split operators, rematerialise every layer (as FSDP with activation checkpointing does)
     and treat a layer stack as one; OSDP takes the config's strategies, split counts, remat
     policies and per-layer setting (None). When the config's strategies include zero2, a ZeRO-2
     baseline is added, OSDP keeps the original's space (the strategies without zero2) and OSDP+
-    takes them all."""
+    takes them all. With ``plan.tensor = "on"``, OSDP+TP is OSDP with the model's column/row pairs
+    split over the model axis (``plan(tensor={})``), the other methods taking every mesh axis as
+    data-parallel."""
+    found = [Method(*row) for row in _data_parallel_methods(s)]
+    if s.cfg.plan.tensor == "on":
+        found.append(Method("OSDP+TP", None, None, None, None, {}))
+    return found
+
+
+def _data_parallel_methods(s: Setup) -> list[tuple]:
     base = dict(splits=(1,), remat=("full",), per_layer=False)
     found = [("DDP", ("replicate",), base), ("FSDP", ("zero3",), base)]
     if len(s.cfg.mesh.axes) > 1:  # group sharding: shard inside a node, replicate across nodes
@@ -545,12 +572,11 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
     """DDP, FSDP and OSDP under one budget, each at its own best batch size."""
     rows = []
     trainable = s.n_params <= TRAINABLE_PARAMS
-    for name, strategies, splits, remat, per_layer in methods(s):
-        row = {"method": name, "strategies": list(strategies or s.cfg.plan.strategies)}
+    for method in methods(s):
+        row = {"method": method.name, "strategies": list(method.strategies or s.cfg.plan.strategies)}
         try:
             # a plan that will not be trained here is compiled for XLA's figures only
-            plan = make_plan(s, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer,
-                             verify="full" if trainable and measure_steps > 0 else "figures")
+            plan = method.plan(s, verify="full" if trainable and measure_steps > 0 else "figures")
         except osdp_jax.InfeasibleBudgetError as e:
             row.update(fits=False, min_bytes=e.min_bytes)
             rows.append(row)
@@ -561,7 +587,8 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
                    counts=plan.counts(), splits=plan.splits_by_path, segments=segments_text(plan),
                    microbatches=plan.microbatches,
                    predicted_step_seconds=plan.predicted_step_seconds,
-                   predicted_collective_seconds=plan.predicted_collective_seconds)
+                   predicted_collective_seconds=plan.predicted_collective_seconds,
+                   tensor=len(plan.tensor), model_axis=plan.model_axis)
         if trainable and measure_steps > 0:
             sub = dataclasses.replace(s, cfg=dataclasses.replace(
                 s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
@@ -611,7 +638,8 @@ def comparison_markdown(s: Setup, rows) -> str:
         meas = r.get("measured_samples_per_second")
         splits = ", ".join(f"{p.removesuffix('/kernel')} k={k}" for p, k in r.get("splits", {}).items()) or "-"
         batch = f"{r['batch_size']}" + (f" ({r['microbatches']} microbatches)" if r.get("microbatches", 1) > 1 else "")
-        lines.append(f"| {r['method']} | yes | {batch} | {r['counts']} | {splits} | {r.get('segments', '-')} "
+        counts = f"{r['counts']}" + (f", {r['tensor']} split over {r['model_axis']!r}" if r.get("tensor") else "")
+        lines.append(f"| {r['method']} | yes | {batch} | {counts} | {splits} | {r.get('segments', '-')} "
                      f"| {f(r['predicted_peak_bytes'])} "
                      f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "
                      f"| {f'{meas:.1f}' if meas else 'not measured'} |")

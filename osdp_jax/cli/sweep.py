@@ -46,12 +46,11 @@ def sweep(s: runner.Setup, out: pathlib.Path, budgets: list[str]) -> list[dict]:
                     batch=s.abstract_batch(p.batch_sizes[0]), optimizer=s.optimizer)
                 ahead["later"]["seconds"] = time.perf_counter() - t0
             at = runner.at_budget(s, budget)
-            for name, strategies, splits, remat, per_layer in methods:
-                row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": name}
+            for method in methods:
+                row = {"budget": budget, "budget_bytes": osdp_jax.parse_bytes(budget), "method": method.name}
                 t0 = time.perf_counter()
                 try:
-                    plan = runner.make_plan(at, strategies=strategies, splits=splits, remat=remat, per_layer=per_layer,
-                                            verify="figures")  # nothing is trained: XLA's figures suffice
+                    plan = method.plan(at, verify="figures")  # nothing is trained: XLA's figures suffice
                 except osdp_jax.InfeasibleBudgetError as e:  # its probes and compiles took time too
                     rows.append({**row, "fits": False, "min_bytes": e.min_bytes,
                                  "planning_seconds": time.perf_counter() - t0})
@@ -79,10 +78,11 @@ def _drafts(s: runner.Setup, budgets: list[str], methods: list[tuple]) -> list:
         at = runner.at_budget(s, budget)
         # OSDP (the widest space) first: its probes, compiled in one batch, include the baselines'
         # (a draft changes nothing the verified plans learn, so the order changes no plan)
-        for _, strategies, splits, remat, per_layer in reversed(methods):
+        for method in reversed(methods):
+            if method.tensor is not None:
+                continue  # another mesh configuration: its plans are not drafts of these
             try:
-                drafts.append(runner.make_plan(at, strategies=strategies, splits=splits, remat=remat,
-                                               per_layer=per_layer, verify=False))
+                drafts.append(method.plan(at, verify=False))
             except osdp_jax.InfeasibleBudgetError:
                 pass  # nothing to compile ahead: planned in turn, it compiles what it needs
     return drafts
