@@ -1,0 +1,75 @@
+"""Tensor parallelism in the planner: the plan on a weight-heavy model, and its cold planning time.
+
+The model of ``tests/test_tensor.py::_wide`` (4 residual blocks of bias-free Dense 1024 -> 4096 ->
+1024, batch 8, Adam) on a 2 (data) x 4 (model) mesh of simulated CPU devices at 100 MB per
+device. For ``plan(tensor="auto")`` (the pairs split, against every axis data-parallel),
+``plan(tensor={})`` (the pairs split only) and ``plan()`` (every axis data-parallel): the plan's
+predicted samples/s (the default CPU hardware profile), predicted and XLA peak, and its cold
+``plan()`` seconds over one compile of the chosen train step (``planning_time.py``'s measure:
+every cache cleared first; the medians of ``--repeats`` runs, each ratio taken within its run).
+
+Writes experiments/results/tensor_planning.md. Run: python experiments/benchmarks/tensor_planning.py
+"""
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "experiments" / "benchmarks")]
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+import planning_time  # noqa: E402
+import test_tensor  # noqa: E402
+
+import osdp_jax  # noqa: E402
+
+MIB = 2 ** 20
+VARIANTS = {"tensor=\"auto\"": "auto", "tensor={}": {}, "no tensor": None}
+
+
+def measure(tensor, mesh, params, loss_fn, batch, optimizer) -> dict:
+    planning_time._cold()
+    t0 = time.perf_counter()
+    plan = osdp_jax.plan(params, mesh, budget="100MB", loss_fn=loss_fn, batch=batch, optimizer=optimizer,
+                         units=(), tensor=tensor)
+    cold = time.perf_counter() - t0
+    one = planning_time._one_compile(loss_fn, optimizer, params, batch, mesh, plan)
+    return {"plan": plan, "cold": cold, "one": one, "ratio": cold / one}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    _, params, loss_fn, batch = test_tensor._wide(8)
+    optimizer = optax.adam(1e-3)
+    lines = ["# Tensor parallelism in the planner", "",
+             f"Measured with `python experiments/benchmarks/tensor_planning.py` (jax {jax.__version__}), 8 "
+             "simulated CPU devices in a 2 (data) x 4 (model) mesh, 4 residual blocks of bias-free "
+             "Dense 1024 -> 4096 -> 1024, batch 8, Adam, 100 MB per device. Samples/s are predicted "
+             "(default CPU profile); peaks predicted and by XLA (measured by compiling the step); "
+             f"planning seconds measured, medians of {args.repeats} cold runs.", "",
+             "| plan() | model axis | predicted samples/s | predicted peak | XLA peak | cold plan() "
+             "| one compile | cold ratio | ratios |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, tensor in VARIANTS.items():
+        runs = [measure(tensor, mesh, params, loss_fn, batch, optimizer) for _ in range(args.repeats)]
+        plan = runs[-1]["plan"]
+        ratios = [r["ratio"] for r in runs]
+        lines.append(f"| `{name}` | {plan.model_axis or '-'} | {plan.predicted_samples_per_second:.1f} "
+                     f"| {plan.predicted_peak_bytes / MIB:.1f} MiB | {plan.xla_peak_bytes / MIB:.1f} MiB "
+                     f"| {statistics.median(r['cold'] for r in runs):.1f} s "
+                     f"| {statistics.median(r['one'] for r in runs):.1f} s | {statistics.median(ratios):.2f} "
+                     f"| {', '.join(f'{r:.2f}' for r in ratios)} |")
+    text = "\n".join(lines) + "\n"
+    (ROOT / "experiments" / "results" / "tensor_planning.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
