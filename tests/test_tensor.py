@@ -318,3 +318,26 @@ def test_the_minis_planned_with_their_pairs_split_train_like_one_device(preset):
     assert all(plan.params[i].in_loop for i, pp in enumerate(plan.params) if pp.tensor == "row")
     losses, _ = _train(loss_fn, params, batch, mesh, plan, opt)
     np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
+def test_a_checkpoint_written_without_tensor_parallelism_restores_onto_a_tensor_parallel_plan(tmp_path):
+    """orbax restores a checkpoint saved under an all-data-parallel layout onto abstract_state's
+    targets for a tensor-parallel plan: every array back exactly, split over the model axis."""
+    import orbax.checkpoint as ocp
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(512,), d=128, batch=8)
+    opt = optax.adam(1e-3)
+    fsdp = osdp_jax.Layout.fsdp(params, mesh)
+    saved = (osdp_jax.shard(params, mesh, fsdp), osdp_jax.init_opt_state(opt, osdp_jax.shard(params, mesh, fsdp),
+                                                                        fsdp, mesh))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt, tensor={},
+                         units=())
+    target = osdp_jax.abstract_state(params, plan, mesh, opt)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert restored[0]["Dense_0"]["kernel"].sharding.spec == P(None, "model")
+    assert restored[0]["Dense_1"]["kernel"].sharding.spec == P("model", None)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+        assert np.array_equal(np.asarray(got), np.asarray(want))
