@@ -341,3 +341,17 @@ def test_a_checkpoint_written_without_tensor_parallelism_restores_onto_a_tensor_
     assert restored[0]["Dense_1"]["kernel"].sharding.spec == P("model", None)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
         assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow
+def test_an_annotated_linen_model_planned_with_its_pairs_trains_like_one_device_and_gets_its_rules():
+    mesh = _mesh()
+    model, x = _Annotated(), jnp.asarray(np.random.default_rng(1).normal(size=(8, 64)), jnp.float32)
+    boxed = model.init(jax.random.key(0), x)["params"]
+    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b) - 0.5 * b) ** 2)  # noqa: E731
+    opt = optax.adam(1e-2)
+    plan = osdp_jax.plan(boxed, mesh, budget="1GB", loss_fn=loss_fn, batch=x, optimizer=opt, tensor={}, units=())
+    assert plan.model_axis == "model" and sorted(plan.tensor.values()).count("row") == 2
+    assert dict(osdp_jax.logical_axis_rules(boxed, plan)) == {"mlp": "model", "embed": None}
+    losses, _ = _train(loss_fn, boxed, x, mesh, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, nn.unbox(boxed), x, opt), rtol=1e-5)
