@@ -22,10 +22,11 @@ def logical_names(params) -> dict[str, tuple]:
     """Path -> the logical name of each dimension (None where a dimension has none) of every
     parameter annotated in ``params`` (linen boxes, or an ``nnx.State`` whose variables carry
     sharding names)."""
-    specs = nn.get_partition_spec(params)
     if _is_nnx_state(params):
         from flax import nnx
         specs = nnx.get_partition_spec(params)
+    else:
+        specs = nn.get_partition_spec(params)
     flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P) or x is None)[0]
     out = {}
     for path, spec in flat:

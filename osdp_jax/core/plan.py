@@ -14,8 +14,8 @@ from osdp_jax.core.stack import Segment
 from osdp_jax.core.strategies import GATHERED, sharded_dim
 from osdp_jax.core.tensor import storage_spec
 
-# 7 adds "model_loop", 6 "accumulate", 5 the zero2 strategy and gather_dtype, 4 units ("unit",
-# "unit_remat"), 3 layer segments, 2 dense kernels; 1-6 are still read
+# 8 adds "tensor" and "model_axis", 7 "model_loop", 6 "accumulate", 5 the zero2 strategy and
+# gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels; 1-7 are still read
 PLAN_FORMAT = 8
 READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7, 8)
 

@@ -211,7 +211,7 @@ class Problem:
 TENSOR_WITH = ("replicate", "zero3")  # the data-parallel strategies a parameter split over the model axis takes
 
 
-def _tensor_bytes(tensor: dict, infos, found, batch) -> dict[str, float]:
+def _tensor_bytes(tensor: dict, infos, found, batch, in_loop) -> dict[str, float]:
     """Row kernel path -> the bytes of its layer's output per global sample: its input's
     recorded shape (at ``batch``'s size) but for the last dimension, times its output features."""
     if found is None or not tensor:
@@ -224,7 +224,7 @@ def _tensor_bytes(tensor: dict, infos, found, batch) -> dict[str, float]:
         if role != "row" or not shape or path not in by_path:
             continue
         info = by_path[path]
-        layers = info.shape[0] if len(info.shape) == 3 else 1  # a layer stack's: one all-reduce pair per layer
+        layers = info.shape[0] if path in in_loop else 1  # a layer stack's: one all-reduce pair per layer
         out[path] = layers * float(np.prod(shape[:-1])) / size * info.shape[-1] * np.dtype(info.dtype).itemsize
     return out
 
@@ -311,7 +311,8 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
                       last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint,
                       model_loop=model_loop, tensor=tensor, model_axis=model_axis if tensor else None,
                       model_size=mesh.shape[model_axis] if tensor else 1,
-                      tensor_bytes=_tensor_bytes(tensor, infos, found if loss_fn is not None else None, batch))
+                      tensor_bytes=_tensor_bytes(tensor, infos, found if loss_fn is not None else None, batch,
+                                                 in_loop))
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     if 1 not in splits:  # a kernel that must split is gathered slice by slice, never whole with a unit
         must_split = {path for (path, _), counts in ks.items() if counts}

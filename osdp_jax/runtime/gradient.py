@@ -488,16 +488,16 @@ def manual_over_data(body, mesh, layout: Layout, in_specs, out_specs, model_spec
                            check_vma=False)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
-    def run(*args):
-        outputs = jax.eval_shape(mapped if kind != jax.sharding.AxisType.Explicit
-                                 else jax.sharding.auto_axes(mapped, axes=model, out_sharding=P()), *args)
-        specs = model_specs(outputs)
-        if kind == jax.sharding.AxisType.Explicit:
-            return jax.sharding.auto_axes(mapped, axes=model, out_sharding=specs)(*args)
-        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
-        return jax.lax.with_sharding_constraint(mapped(*args), shardings)
+    def run(*args):  # the body traced once: its outputs constrained as model_specs says
+        outputs = mapped(*args)
+        shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), model_specs(outputs), is_leaf=is_spec)
+        return jax.lax.with_sharding_constraint(outputs, shardings)
 
-    return run
+    def run_auto(*args):  # auto_axes needs the outputs' shardings before the call: their shapes first
+        outputs = jax.eval_shape(jax.sharding.auto_axes(mapped, axes=model, out_sharding=P()), *args)
+        return jax.sharding.auto_axes(mapped, axes=model, out_sharding=model_specs(outputs))(*args)
+
+    return run_auto if kind == jax.sharding.AxisType.Explicit else run
 
 
 def value_and_grad(loss_fn, plan, mesh, *, has_aux: bool = False, aux: str = "mean", rng: bool = False,
