@@ -355,3 +355,60 @@ def test_an_annotated_linen_model_planned_with_its_pairs_trains_like_one_device_
     assert dict(osdp_jax.logical_axis_rules(boxed, plan)) == {"mlp": "model", "embed": None}
     losses, _ = _train(loss_fn, boxed, x, mesh, plan, opt)
     np.testing.assert_allclose(losses, _one_device(loss_fn, nn.unbox(boxed), x, opt), rtol=1e-5)
+
+
+def test_tensor_auto_does_not_plan_what_the_time_model_rules_out(caplog):
+    """Weights dominate (two 1 M-parameter pairs, batch 8): the bound on any plan with every axis
+    data-parallel (its cheapest collectives alone, ``speed_bound``) is below the tensor-parallel
+    plan's predicted samples/s, so ``tensor="auto"`` plans no more than ``tensor={}`` does; the
+    bound holds for the data-parallel plan made anyway."""
+    from osdp_jax.planner.pipeline import PlanOptions, _prepare, speed_bound
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(2048, 2048), d=512, batch=8)
+    common = dict(budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=optax.sgd(0.1), units=())
+    with caplog.at_level("INFO", logger="osdp_jax"):
+        auto = osdp_jax.plan(params, mesh, tensor="auto", **common)
+    assert auto.model_axis == "model"
+    assert "every axis data-parallel: at most" in caplog.text and "not planned" in caplog.text
+    without = osdp_jax.plan(params, mesh, **common)
+    bound = speed_bound(_prepare(params, mesh, PlanOptions(**common)))
+    assert without.predicted_samples_per_second <= bound < auto.predicted_samples_per_second
+
+
+def test_a_model_size_other_than_the_meshs_is_planned_and_make_mesh_builds_its_mesh():
+    """``model_sizes=(2,)`` on a 2x4 mesh: the plan is for a 4 (data) x 2 (model) mesh, says so,
+    keeps it through JSON, is refused on the mesh it was given (with the fix), and on
+    ``plan.make_mesh()`` trains like one device."""
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(512, 256), d=128, batch=4)
+    opt = optax.sgd(0.1)
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                         tensor={}, model_sizes=(2,), units=())
+    assert plan.mesh_shape == (("data", 4), ("model", 2)) and plan.model_axis == "model"
+    assert "mesh data 4 x model 2" in plan.summary()
+    assert osdp_jax.Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match=r"over 2 devices of the model axis 'model'.*plan\.make_mesh\(\)"):
+        osdp_jax.shard(params, mesh, plan)
+    built = plan.make_mesh()
+    assert dict(built.shape) == {"data": 4, "model": 2}
+    losses, _ = _train(loss_fn, params, batch, built, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
+@pytest.mark.parametrize("sizes,match", [
+    ((3,), r"model_sizes must be 'auto' or model-axis sizes .* some of \(1, 2, 4\)"),
+    ((8,), r"leave at least 2 data-parallel devices"),
+    ("most", r"model_sizes must be 'auto'"),
+])
+def test_a_model_size_that_cannot_work_is_one_clear_error(sizes, match):
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(512,), d=128, batch=8)
+    with pytest.raises(ValueError, match=match):
+        osdp_jax.plan(params, _mesh(), budget="1GB", loss_fn=loss_fn, batch=batch, tensor="auto",
+                      model_sizes=sizes)
+
+
+def test_tensor_parallelism_with_one_data_parallel_device_is_one_clear_error():
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(512,), d=128, batch=8)
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    with pytest.raises(ValueError, match=r"need at least 2 devices .* jax.make_mesh\(\(2, 4\)"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, tensor="auto")

@@ -14,10 +14,10 @@ from osdp_jax.core.stack import Segment
 from osdp_jax.core.strategies import GATHERED, sharded_dim
 from osdp_jax.core.tensor import storage_spec
 
-# 8 adds "tensor" and "model_axis", 7 "model_loop", 6 "accumulate", 5 the zero2 strategy and
+# 9 adds "mesh_shape", 8 "tensor" and "model_axis", 7 "model_loop", 6 "accumulate", 5 the zero2 strategy and
 # gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels; 1-7 are still read
-PLAN_FORMAT = 8
-READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7, 8)
+PLAN_FORMAT = 9
+READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 def _spec_to_json(spec: P) -> list:
@@ -140,7 +140,20 @@ class Plan:
     unit_scale: float = 1.0  # the units' temp savings scaled by it (_cost), refitted on a compiled plan
     microbatches: int = 1  # the global batch runs as this many microbatches (gradient accumulation)
     model_axis: str | None = None  # the mesh axis the "column"/"row" parameters are split over (tensor parallelism)
+    mesh_shape: tuple[tuple[str, int], ...] = ()  # (axis, devices) of the mesh it was made for; make_mesh builds it
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    # --- the mesh ------------------------------------------------------------------------------
+    def make_mesh(self, devices=None, axis_types=None):
+        """The mesh the plan was made for (:attr:`mesh_shape`), over ``devices`` (default
+        ``jax.devices()``), with ``jax.make_mesh``; ``plan(model_sizes=...)`` may choose a shape
+        other than the mesh it was given."""
+        if not self.mesh_shape:
+            raise ValueError("this plan does not record its mesh shape (a plan JSON of format 8 or older): build "
+                             f"the mesh yourself, with data-parallel axes {list(self.axes)} of {self.num_devices} "
+                             "devices")
+        names, sizes = zip(*self.mesh_shape)
+        return jax.make_mesh(tuple(sizes), tuple(names), axis_types=axis_types, devices=devices)
 
     # --- pytree views --------------------------------------------------------------------------
     def _tree(self, values):
@@ -290,7 +303,9 @@ class Plan:
                           f"padding that first dimension to a multiple of {self.num_devices} avoids it"]
         lines += [
             "",
-            f"mesh axes {self.axes} ({self.num_devices} data-parallel devices)"
+            (f"mesh {' x '.join(f'{a} {n}' for a, n in self.mesh_shape)} (osdp_jax.Plan.make_mesh builds it); "
+             if self.mesh_shape else "")
+            + f"data-parallel axes {self.axes} ({self.num_devices} devices)"
             + (f", model axis {self.model_axis!r} ({len(self.tensor)} parameters split over it)"
                if self.model_axis else "") + f", hardware {self.hardware}",
             f"parameters: {format_bytes(total)} total; strategies: {self.counts()}; "
@@ -319,6 +334,7 @@ class Plan:
     def to_json(self) -> str:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("params", "treedef")}
         d["axes"] = list(self.axes)
+        d["mesh_shape"] = [list(x) for x in self.mesh_shape]
         d["format"] = PLAN_FORMAT
         d["params"] = [{"path": pp.path, "shape": list(pp.shape), "dtype": pp.dtype,
                         "strategy": pp.strategy, "spec": _spec_to_json(pp.spec), "nbytes": pp.nbytes,
@@ -342,6 +358,7 @@ class Plan:
                                  p.get("tensor", ""))
                        for p in d.pop("params"))
         d["axes"] = tuple(d["axes"])
+        d["mesh_shape"] = tuple((str(a), int(n)) for a, n in d.get("mesh_shape", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(params=params, **{k: v for k, v in d.items() if k in known})
 

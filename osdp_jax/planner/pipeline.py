@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -111,6 +112,9 @@ class PlanOptions:
     #                        calls show, osdp_jax.tensor_roles, and the faster of that plan and the plan with
     #                        every mesh axis data-parallel); {pattern: "column" | "row"} (those pairs as well)
     model_axis: str = "model"  # the mesh axis tensor parallelism splits over
+    model_sizes: object = None  # with tensor=: the model-axis sizes to plan, the devices of the model axis and its
+    #                             neighbouring data axis shared anew (1: every axis data-parallel); "auto": every
+    #                             size that divides them; None: the mesh's own (and 1 with tensor="auto")
 
 
 LEAST_TRIES = 4  # budget="least": plans at the least budget the last try's error names, at most this often
@@ -198,23 +202,12 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     if isinstance(plan_options.budget, str) and plan_options.budget.strip().lower() == "least":
         return _least_memory_plan(params, mesh, plan_options)
     if plan_options.tensor is not None and not isinstance(plan_options.tensor, TensorRoles):
-        return _tensor_plan(params, mesh, plan_options)
-    roles = plan_options.tensor
-    strategies, axes = check_strategies(plan_options.strategies), data_axes(mesh, plan_options.axis)
-    plan_options = _checked(plan_options, strategies, axes)
-    splits = check_splits(plan_options.splits)
-    policies = _policies(plan_options.remat)
-    hw = resolve_hardware(plan_options.hardware, mesh)
-    budget = parse_bytes(plan_options.budget) if plan_options.budget is not None else hw.memory_bytes
-    optimizer = _optimizer(plan_options.optimizer)
-    batches = _batches(plan_options.loss_fn, plan_options.batch, plan_options.batch_sizes, axes_size(mesh, axes))
-    problem = build_problem(params, mesh, axes, strategies, splits, plan_options.loss_fn,
-                            None if plan_options.batch is None else batches[min(batches)], plan_options.units,
-                            plan_options.unit_remat, check_dtype(plan_options.compute_dtype),
-                            dict(roles.roles) if roles else None, roles.model_axis if roles else None)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    check_optimizer(optimizer, abstract)
-    problem = _step_splits_worth_probing(problem, budget)
+        before = compile_count(), compile_seconds(), _probe_store.reads()
+        return _timed(_tensor_plan(params, mesh, plan_options), start, before)
+    prepared = _prepare(params, mesh, plan_options)
+    plan_options, problem, axes, batches = prepared.plan_options, prepared.problem, prepared.axes, prepared.batches
+    hw, budget, optimizer, abstract, policies = (prepared.hw, prepared.budget, prepared.optimizer, prepared.abstract,
+                                                 prepared.policies)
     calibrator = plan_options.calibrator or XlaCalibrator(plan_options.loss_fn, optimizer, abstract, mesh,
                                                           default_hardware(mesh).memory_bytes)
     one = functools.partial(_plan_problem, plan_options=plan_options, params=params, mesh=mesh, hw=hw, budget=budget,
@@ -231,7 +224,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         problem, dataclasses.replace(problem, units={})]
     ddp = _probe_together(problems, one, plan_options, counts, calibrator, axes, batches, budget, policies)
     if ddp is not None:
-        return _timed(ddp, start, before)
+        return _timed(ddp, start, before, mesh)
     runs = [functools.partial(one, p, microbatches=m) for p in problems for m in counts]
     if plan_options.segment_gain and plan_options.per_layer and problem.stacks:  # also every layer of each stack alike
         runs += [functools.partial(_one_segment, one, p, microbatches=m) for p in problems for m in counts]
@@ -244,7 +237,44 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
         raise InfeasibleBudgetError(f"{e}. {hint}", e.min_bytes) from None
     if len(problems) > 1:
         log.info("units: %s", "used" if best.units else "not used")
-    return _timed(best, start, before)
+    return _timed(best, start, before, mesh)
+
+
+class _Prepared(NamedTuple):
+    """What :func:`plan` derives from its options before probing: the checked options, the
+    problem, the data-parallel axes, the batches per global batch size, the hardware, the budget
+    in bytes, the optimizer, the abstract params and the remat policies."""
+
+    plan_options: PlanOptions
+    problem: Problem
+    axes: tuple[str, ...]
+    batches: dict
+    hw: object
+    budget: int
+    optimizer: object
+    abstract: object
+    policies: tuple[str, ...]
+
+
+def _prepare(params, mesh, plan_options: PlanOptions) -> _Prepared:
+    """The options checked and the problem built (the loss traced once, and kept: ``find``)."""
+    roles = plan_options.tensor
+    strategies, axes = check_strategies(plan_options.strategies), data_axes(mesh, plan_options.axis)
+    plan_options = _checked(plan_options, strategies, axes)
+    splits = check_splits(plan_options.splits)
+    policies = _policies(plan_options.remat)
+    hw = resolve_hardware(plan_options.hardware, mesh)
+    budget = parse_bytes(plan_options.budget) if plan_options.budget is not None else hw.memory_bytes
+    optimizer = _optimizer(plan_options.optimizer)
+    batches = _batches(plan_options.loss_fn, plan_options.batch, plan_options.batch_sizes, axes_size(mesh, axes))
+    problem = build_problem(params, mesh, axes, strategies, splits, plan_options.loss_fn,
+                            None if plan_options.batch is None else batches[min(batches)], plan_options.units,
+                            plan_options.unit_remat, check_dtype(plan_options.compute_dtype),
+                            dict(roles.roles) if roles else None, roles.model_axis if roles else None)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    check_optimizer(optimizer, abstract)
+    problem = _step_splits_worth_probing(problem, budget)
+    return _Prepared(plan_options, problem, axes, batches, hw, budget, optimizer, abstract, policies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,9 +287,8 @@ class TensorRoles:
 
 def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
     """``plan(tensor=...)``: the pairs found in the model's dense calls (and the patterns given),
-    split over ``model_axis`` with the other mesh axes data-parallel; with ``"auto"``, the faster
-    of that plan and the plan with every mesh axis data-parallel (each fitting its budget, each
-    verified as every plan is)."""
+    split over ``model_axis`` with the other mesh axes data-parallel, for each model-axis size of
+    ``model_sizes`` (:func:`_configurations`); the fastest of those plans (:func:`_fastest_configuration`)."""
     model, tensor = plan_options.model_axis, plan_options.tensor
     if model not in mesh.axis_names:
         raise ValueError(f"tensor= needs a model axis, but the mesh has no axis {model!r} (its axes are "
@@ -275,34 +304,125 @@ def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
     if model in axes or not axes:
         raise ValueError(f"with tensor=, the data-parallel axes are the mesh axes but the model axis {model!r}: "
                          f"got {list(axes)}; pass axis= the others (a mesh of the model axis alone has none)")
+    if axes_size(mesh, axes) < 2:
+        raise ValueError(f"with tensor=, the data-parallel axes {list(axes)} need at least 2 devices (this mesh's "
+                         f"have {axes_size(mesh, axes)}): give the model axis fewer, e.g. "
+                         f"jax.make_mesh((2, {mesh.size // 2}), ('data', {model!r}))")
+    # the optimizer resolved once (its default is announced once), the data axes fixed
+    plan_options = dataclasses.replace(plan_options, optimizer=_optimizer(plan_options.optimizer), axis=axes)
+    configurations = _configurations(params, mesh, plan_options)
+    if not configurations:
+        log.info("tensor parallelism: no column/row pair found in the model's dense calls; planned without")
+        return plan(params, mesh, dataclasses.replace(plan_options, tensor=None, axis=None))
+    return _fastest_configuration(params, configurations, plan_options)
+
+
+def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
+    """``(mesh, options)`` to plan, one per model-axis size t of ``plan_options.model_sizes``
+    (:func:`_model_sizes`): t = 1 is ``mesh`` with every axis data-parallel (when every batch size
+    divides over all its devices); t > 1 is ``mesh`` with the model axis t devices and its
+    neighbouring data axis the rest (:func:`_reshaped`), with the pairs whose widths t divides
+    split over it (:func:`tensor_roles`; none found: no configuration)."""
+    model, tensor = plan_options.model_axis, plan_options.tensor
     loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
-    roles = tensor_roles(loss, params, batch, size=mesh.shape[model],
-                         hint=tensor if isinstance(tensor, dict) else None)
-    without = dataclasses.replace(plan_options, tensor=None)
-    if not roles:
-        log.info("tensor parallelism: no column/row pair found in the model's dense calls; planned without")
-        return plan(params, mesh, without)
-    log.info("tensor parallelism over %r: %d parameters split (%s)", model, len(roles),
-             ", ".join(sorted(roles)[:3]) + (" ..." if len(roles) > 3 else ""))
-    options = [dataclasses.replace(plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model), axis=axes)]
     sizes = plan_options.batch_sizes or (check_batch_leaves(plan_options.batch),)
-    if tensor == "auto" and all(b % mesh.size == 0 for b in sizes):  # else only tensor parallelism can split it
-        options.append(dataclasses.replace(without, axis=None))
-    plans, errors = [], []
-    for one in options:  # each planned and verified whole: two configurations of the mesh, two searches
+    out = []
+    for t in _model_sizes(plan_options.model_sizes, tensor, mesh, model, plan_options.axis):
+        if t == 1:
+            if all(b % mesh.size == 0 for b in sizes):  # else only tensor parallelism can split it
+                out.append((mesh, dataclasses.replace(plan_options, tensor=None, axis=None)))
+            continue
+        roles = tensor_roles(loss, params, batch, size=t, hint=tensor if isinstance(tensor, dict) else None)
+        if roles:
+            log.info("tensor parallelism over %r (%d devices): %d parameters split (%s)", model, t, len(roles),
+                     ", ".join(sorted(roles)[:3]) + (" ..." if len(roles) > 3 else ""))
+            out.append((_reshaped(mesh, model, plan_options.axis, t),
+                        dataclasses.replace(plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model))))
+    return out if any(o.tensor is not None for _, o in out) else []
+
+
+def _model_sizes(model_sizes, tensor, mesh, model: str, axes: tuple) -> tuple[int, ...]:
+    """The model-axis sizes to plan: ``model_sizes`` checked; None: the mesh's own (and 1, every
+    axis data-parallel, with ``tensor="auto"``); ``"auto"``: every size from 1 that divides the
+    model axis and its neighbouring data axis together."""
+    own, pool = mesh.shape[model], mesh.shape[model] * mesh.shape[axes[-1]]
+    data = mesh.size // pool * pool  # the data-parallel devices at model size t are data // t
+    fits = tuple(t for t in range(1, pool + 1) if pool % t == 0 and (t == 1 or data // t >= 2))
+    if model_sizes is None:
+        return (1, own) if tensor == "auto" else (own,)
+    if isinstance(model_sizes, str) and model_sizes == "auto":
+        return fits
+    sizes = (model_sizes,) if isinstance(model_sizes, int) else model_sizes
+    if (not isinstance(sizes, (tuple, list)) or not sizes
+            or any(isinstance(t, bool) or not isinstance(t, int) or t not in fits for t in sizes)):
+        raise ValueError(f"model_sizes must be 'auto' or model-axis sizes that divide the {pool} devices of the "
+                         f"axes {axes[-1]!r} and {model!r} together and leave at least 2 data-parallel devices: "
+                         f"some of {fits} (1: every axis data-parallel), got {model_sizes!r}")
+    return tuple(dict.fromkeys(sizes))
+
+
+def _reshaped(mesh, model: str, axes: tuple, size: int):
+    """``mesh`` with ``model`` of ``size`` devices and the last data axis ``axes[-1]`` the devices
+    they leave (the same devices, in order): ``Plan.make_mesh`` builds it."""
+    if mesh.shape[model] == size:
+        return mesh
+    shape = dict(mesh.shape)
+    shape[axes[-1]] = mesh.shape[axes[-1]] * mesh.shape[model] // size
+    shape[model] = size
+    return jax.make_mesh(tuple(shape[a] for a in mesh.axis_names), mesh.axis_names, axis_types=mesh.axis_types,
+                         devices=list(mesh.devices.flat))
+
+
+def _fastest_configuration(params, configurations, plan_options: PlanOptions) -> Plan:
+    """The fastest plan over ``configurations`` (``(mesh, options)``), each planned whole.
+
+    A configuration's samples/s is bounded before any probe (:func:`speed_bound`): they are
+    planned highest bound first, and one whose bound is no better than the best plan so far is
+    not planned. With verification, each is first planned as a draft (its probes compiled, no
+    verification); the best draft is verified, and the next verified only if its draft beats
+    that: one verification compile where the first wins."""
+    verify = plan_options.verify
+    bounded = sorted(((speed_bound(_prepare(params, m, o)), m, o) for m, o in configurations),
+                     key=lambda x: -x[0])
+    speed = functools.partial(_speed, gain=plan_options.segment_gain)
+    drafts, errors = [], []
+    for bound, mesh, options in bounded:
+        if drafts and bound <= max(speed(d)[0] for d, _, _ in drafts):
+            log.info("%s: at most %.1f samples/s by the time model, not planned",
+                     _configuration_name(options.tensor is not None, dict(mesh.shape)), bound)
+            continue
         try:
-            plans.append(plan(params, mesh, one))
+            drafts.append((plan(params, mesh, dataclasses.replace(options, verify=False) if verify else options),
+                           mesh, options))
         except InfeasibleBudgetError as e:
             errors.append(e)
-    if not plans:
+            continue
+        log.info("%s: predicted %.1f samples/s%s", _configuration_name(options.tensor is not None, dict(mesh.shape)),
+                 drafts[-1][0].predicted_samples_per_second or 0.0, " before verification" if verify else "")
+    best = None
+    for draft, mesh, options in sorted(drafts, key=lambda d: speed(d[0]), reverse=True):
+        if best is not None and speed(best) >= speed(draft):
+            break
+        try:
+            done = plan(params, mesh, options) if verify else draft
+        except InfeasibleBudgetError as e:
+            errors.append(e)
+            continue
+        best = done if best is None or speed(done) > speed(best) else best
+    if best is None:
         raise min(errors, key=lambda e: e.min_bytes)
-    best = max(plans, key=functools.partial(_speed, gain=plan_options.segment_gain))
-    if len(plans) > 1:
-        log.info("tensor parallelism: %s (predicted %.1f against %.1f samples/s)",
-                 "used" if best.model_axis else "not used", best.predicted_samples_per_second or 0.0,
-                 min(p.predicted_samples_per_second or 0.0 for p in plans))
+    if len(bounded) > 1:
+        log.info("planned %s: predicted %.1f samples/s",
+                 _configuration_name(best.model_axis is not None, dict(best.mesh_shape)),
+                 best.predicted_samples_per_second or 0.0)
     return best
+
+
+def _configuration_name(tensor: bool, shape: dict) -> str:
+    """E.g. ``"mesh data 2 x model 4, tensor-parallel"``."""
+    return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + (
+        ", tensor-parallel" if tensor else ", every axis data-parallel")
 
 
 def _checked(plan_options: PlanOptions, strategies: tuple, axes: tuple) -> PlanOptions:
@@ -325,11 +445,14 @@ def _checked(plan_options: PlanOptions, strategies: tuple, axes: tuple) -> PlanO
     return plan_options
 
 
-def _timed(plan: Plan, start: float, before: tuple) -> Plan:
-    """``plan`` with the whole planning's seconds, compiles and probe-store reads since ``before``."""
+def _timed(plan: Plan, start: float, before: tuple, mesh=None) -> Plan:
+    """``plan`` with the whole planning's seconds, compiles and probe-store reads since ``before``,
+    and the shape of the ``mesh`` it was made for (None: the one it has)."""
     n0, s0, r0 = before
     return dataclasses.replace(plan, planning_seconds=time.perf_counter() - start, compiles=compile_count() - n0,
-                               compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0)
+                               compile_seconds=compile_seconds() - s0, probes_read=_probe_store.reads() - r0,
+                               mesh_shape=plan.mesh_shape if mesh is None else
+                               tuple((str(a), int(n)) for a, n in mesh.shape.items()))
 
 
 def _probe_together(problems, one, plan_options: PlanOptions, counts, calibrator, axes, batches, budget,
@@ -752,6 +875,26 @@ def _with_tensor_seconds(tables, problem: Problem, size: int, hw):
             seconds = 2 * hw.all_reduce(per_sample * size / problem.n, problem.model_size)
             time[i] = np.where(np.isfinite(time[i]), time[i] + seconds, time[i])
     return dataclasses.replace(tables, time=time)
+
+
+def speed_bound(prepared: _Prepared) -> float:
+    """An upper bound on the samples/s of any plan of ``prepared``'s problem, from the time model
+    alone (no probe): a step takes at least its collectives' C seconds (``step_seconds``:
+    ``F + max(0, C - overlap F) >= C`` for overlap <= 1), each parameter's at least those of its
+    cheapest choice, plus the model axis's all-reduces (:func:`_with_tensor_seconds`); so at most
+    ``max_b b / C(b)`` samples/s over the global batch sizes b. inf without a batch, with timed
+    probes (they rescale the collectives) or where no collective is left."""
+    problem, options = prepared.problem, prepared.plan_options
+    if options.measure_time or None in prepared.batches:
+        return math.inf
+    best = 0.0
+    for size, batch in prepared.batches.items():
+        tables = cost_tables(problem.cost_infos(), problem.available, problem.columns,
+                             np.zeros(len(problem.infos)), 0, problem.topo, prepared.hw, _batch_bytes(batch), None,
+                             problem.in_loop, frozenset(problem.units), gather_ratio=problem.gather_ratio())
+        seconds = _with_tensor_seconds(tables, problem, size, prepared.hw).time.min(axis=1).sum()
+        best = max(best, size / seconds if seconds > 0 else math.inf)
+    return best
 
 
 def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:

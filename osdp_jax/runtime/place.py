@@ -101,10 +101,17 @@ def check_mesh(plan, mesh) -> None:
         raise ValueError(f"the plan shards over mesh axes {list(axes)}, but the mesh has axes "
                          f"{list(mesh.axis_names)}: use the mesh the plan was made for, or plan for this one")
     n, have = getattr(plan, "num_devices", None), axes_size(mesh, axes)
+    shape = dict(getattr(plan, "mesh_shape", ()))
+    build = " or build the mesh it was made for with plan.make_mesh()" if shape else ""
+    model = as_layout(plan).model_axis
+    if model and model in shape and mesh.shape.get(model) != shape[model]:
+        raise ValueError(f"the plan splits parameters over {shape[model]} devices of the model axis {model!r}, but "
+                         f"this mesh has {mesh.shape.get(model, 0)} there: build the mesh it was made for with "
+                         f"plan.make_mesh(), or plan again for this one")
     if n is not None and n != have:
         raise ValueError(f"the plan was made for {n} data-parallel devices on axes {list(axes)}, but this mesh "
                          f"has {have}: its memory was checked for {n}. Plan again for this mesh "
-                         f"(osdp_jax.plan(params, mesh, ...))")
+                         f"(osdp_jax.plan(params, mesh, ...)){build}")
 
 
 def check_matches(layout, params) -> None:
