@@ -2,6 +2,7 @@
 dense calls, layouts that train like one device on a 2x4 ("data", "model") mesh, the model-axis
 collectives Megatron's pattern has (activation all-reduces, no kernel gathered over the model
 axis), and one clear error for each layout that cannot work."""
+import itertools
 import re
 
 import foreign
@@ -280,6 +281,7 @@ def test_the_planner_takes_tensor_parallelism_where_weights_dominate_and_predict
     assert "column-parallel" in tp.summary() and "model axis 'model'" in tp.summary()
 
 
+@pytest.mark.slow  # the default suite trains batch 4 on 8 devices in the model_sizes test
 def test_a_batch_smaller_than_the_device_count_is_planned_with_tensor_parallelism_and_trains_like_one_device():
     mesh = _mesh()
     params, loss_fn, batch = foreign.uneven_mlp(widths=(512, 256), d=128, batch=4)
@@ -357,24 +359,6 @@ def test_an_annotated_linen_model_planned_with_its_pairs_trains_like_one_device_
     np.testing.assert_allclose(losses, _one_device(loss_fn, nn.unbox(boxed), x, opt), rtol=1e-5)
 
 
-def test_tensor_auto_does_not_plan_what_the_time_model_rules_out(caplog):
-    """Weights dominate (two 1 M-parameter pairs, batch 8): the bound on any plan with every axis
-    data-parallel (its cheapest collectives alone, ``speed_bound``) is below the tensor-parallel
-    plan's predicted samples/s, so ``tensor="auto"`` plans no more than ``tensor={}`` does; the
-    bound holds for the data-parallel plan made anyway."""
-    from osdp_jax.planner.pipeline import PlanOptions, _prepare, speed_bound
-    mesh = _mesh()
-    params, loss_fn, batch = foreign.uneven_mlp(widths=(2048, 2048), d=512, batch=8)
-    common = dict(budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=optax.sgd(0.1), units=())
-    with caplog.at_level("INFO", logger="osdp_jax"):
-        auto = osdp_jax.plan(params, mesh, tensor="auto", **common)
-    assert auto.model_axis == "model"
-    assert "every axis data-parallel: at most" in caplog.text and "not planned" in caplog.text
-    without = osdp_jax.plan(params, mesh, **common)
-    bound = speed_bound(_prepare(params, mesh, PlanOptions(**common)))
-    assert without.predicted_samples_per_second <= bound < auto.predicted_samples_per_second
-
-
 def test_a_model_size_other_than_the_meshs_is_planned_and_make_mesh_builds_its_mesh():
     """``model_sizes=(2,)`` on a 2x4 mesh: the plan is for a 4 (data) x 2 (model) mesh, says so,
     keeps it through JSON, is refused on the mesh it was given (with the fix), and on
@@ -412,3 +396,70 @@ def test_tensor_parallelism_with_one_data_parallel_device_is_one_clear_error():
     mesh = jax.make_mesh((1, 8), ("data", "model"))
     with pytest.raises(ValueError, match=r"need at least 2 devices .* jax.make_mesh\(\(2, 4\)"):
         osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, tensor="auto")
+
+
+def _brute_force_speed(tables_for: dict, limit: float):
+    """The largest predicted samples/s over every batch size and every choice of every item of
+    the cost tables whose peak (base + items' memory + the larger pool) is within ``limit``."""
+    from osdp_jax.planner.cost import step_seconds
+    best = None
+    for size, t in tables_for.items():
+        n = len(t.time)
+        for choice in itertools.product(range(t.time.shape[1]), repeat=n):
+            idx = (np.arange(n), np.array(choice))
+            seconds, mem = t.time[idx].sum(), t.mem[idx].sum() + t.pools[idx].sum(axis=0).max()
+            if np.isfinite(seconds) and np.isfinite(mem) and t.base_mem + mem <= limit:
+                speed = size / step_seconds(t.base_time, seconds, t.overlap)
+                best = speed if best is None else max(best, speed)
+    return best
+
+
+@pytest.mark.parametrize("widths,d", [pytest.param((512, 256), 128, marks=pytest.mark.slow), ((2048, 2048), 512)],
+                         ids=["activations", "weights"])
+def test_the_search_with_tensor_parallelism_is_exact_against_brute_force(widths, d, monkeypatch, caplog):
+    """Within the cost model: every search ``plan(tensor="auto")`` runs (each configuration's
+    tables, at each batch size, under each limit) finds brute force's fastest choice over the
+    parameters' strategies, at a budget between the least and the all-replicated peak; and the
+    plan is the faster of the tensor-parallel and all-data-parallel plans, whether the time
+    model's bound (``speed_bound``, above every plan of its configuration) plans both
+    (activations dominate) or rules the second out (weights do: 1 M-parameter pairs at batch 8)."""
+    from osdp_jax.planner import pipeline
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=widths, d=d, batch=8)
+    common = dict(loss_fn=loss_fn, batch=batch, optimizer=optax.sgd(0.1), units=(),
+                  strategies=("replicate", "zero3", "zero2"), splits=(1,), verify=False)
+    with pytest.raises(osdp_jax.InfeasibleBudgetError) as least:
+        osdp_jax.plan(params, mesh, budget=1, tensor={}, **common)
+    most = osdp_jax.plan(params, mesh, budget="1GB", tensor={}, **common).predicted_peak_bytes
+    budget = int((least.value.min_bytes + most) / 2)
+    searches, search = [], pipeline._search
+
+    def recorded(tables_for, limit, fronts, lessons=()):
+        best = search(tables_for, limit, fronts, lessons)
+        searches.append((tables_for, limit, best[0]))
+        return best
+
+    monkeypatch.setattr(pipeline, "_search", recorded)
+    with caplog.at_level("INFO", logger="osdp_jax"):
+        auto = osdp_jax.plan(params, mesh, budget=budget, tensor="auto", **common)
+    ruled_out = "every axis data-parallel: at most" in caplog.text
+    assert ruled_out == (d == 512)
+    assert searches and len(auto.counts()) > 1  # a mixed plan: the budget binds
+    for tables_for, limit, found in searches:
+        expected = _brute_force_speed(tables_for, limit)
+        assert (found is None) == (expected is None)
+        if found is not None:
+            assert found[0] == pytest.approx(expected, rel=1e-12)
+    monkeypatch.setattr(pipeline, "_search", search)
+    each = []
+    for tensor in ({}, None):
+        try:
+            one = osdp_jax.plan(params, mesh, budget=budget, tensor=tensor, **common)
+            each.append(one.predicted_samples_per_second)
+        except osdp_jax.InfeasibleBudgetError:
+            continue
+    assert auto.predicted_samples_per_second == max(each)
+    everything = osdp_jax.plan(params, mesh, budget="1GB", **common)  # every axis data-parallel
+    bound = pipeline.speed_bound(pipeline._prepare(params, mesh, pipeline.PlanOptions(budget="1GB", **common)))
+    assert everything.predicted_samples_per_second <= bound
+    assert (bound < auto.predicted_samples_per_second) == ruled_out

@@ -3,6 +3,7 @@
 The model of ``tests/test_tensor.py::_wide`` (4 residual blocks of bias-free Dense 1024 -> 4096 ->
 1024, batch 8, Adam) on a 2 (data) x 4 (model) mesh of simulated CPU devices at 100 MB per
 device. For ``plan(tensor="auto")`` (the pairs split, against every axis data-parallel),
+``plan(tensor="auto", model_sizes="auto")`` (also the model axis of 2 devices, a 4 x 2 mesh),
 ``plan(tensor={})`` (the pairs split only) and ``plan()`` (every axis data-parallel): the plan's
 predicted samples/s (the default CPU hardware profile), predicted and XLA peak, and its cold
 ``plan()`` seconds over one compile of the chosen train step (``planning_time.py``'s measure:
@@ -29,16 +30,18 @@ import test_tensor  # noqa: E402
 import osdp_jax  # noqa: E402
 
 MIB = 2 ** 20
-VARIANTS = {"tensor=\"auto\"": "auto", "tensor={}": {}, "no tensor": None}
+VARIANTS = {"tensor=\"auto\"": ("auto", None), "tensor=\"auto\", model_sizes=\"auto\"": ("auto", "auto"),
+            "tensor={}": ({}, None), "no tensor": (None, None)}
 
 
-def measure(tensor, mesh, params, loss_fn, batch, optimizer) -> dict:
+def measure(variant, mesh, params, loss_fn, batch, optimizer) -> dict:
+    tensor, model_sizes = variant
     planning_time._cold()
     t0 = time.perf_counter()
     plan = osdp_jax.plan(params, mesh, budget="100MB", loss_fn=loss_fn, batch=batch, optimizer=optimizer,
-                         units=(), tensor=tensor)
+                         units=(), tensor=tensor, model_sizes=model_sizes)
     cold = time.perf_counter() - t0
-    one = planning_time._one_compile(loss_fn, optimizer, params, batch, mesh, plan)
+    one = planning_time._one_compile(loss_fn, optimizer, params, batch, plan.make_mesh(), plan)
     return {"plan": plan, "cold": cold, "one": one, "ratio": cold / one}
 
 
@@ -55,13 +58,15 @@ def main():
              "Dense 1024 -> 4096 -> 1024, batch 8, Adam, 100 MB per device. Samples/s are predicted "
              "(default CPU profile); peaks predicted and by XLA (measured by compiling the step); "
              f"planning seconds measured, medians of {args.repeats} cold runs.", "",
-             "| plan() | model axis | predicted samples/s | predicted peak | XLA peak | cold plan() "
+             "| plan() | mesh | predicted samples/s | predicted peak | XLA peak | cold plan() "
              "| one compile | cold ratio | ratios |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, tensor in VARIANTS.items():
-        runs = [measure(tensor, mesh, params, loss_fn, batch, optimizer) for _ in range(args.repeats)]
+    for name, variant in VARIANTS.items():
+        runs = [measure(variant, mesh, params, loss_fn, batch, optimizer) for _ in range(args.repeats)]
         plan = runs[-1]["plan"]
         ratios = [r["ratio"] for r in runs]
-        lines.append(f"| `{name}` | {plan.model_axis or '-'} | {plan.predicted_samples_per_second:.1f} "
+        shape = " x ".join(f"{a} {n}" for a, n in plan.mesh_shape)
+        kind = ", tensor-parallel" if plan.model_axis else ""
+        lines.append(f"| `{name}` | {shape}{kind} | {plan.predicted_samples_per_second:.1f} "
                      f"| {plan.predicted_peak_bytes / MIB:.1f} MiB | {plan.xla_peak_bytes / MIB:.1f} MiB "
                      f"| {statistics.median(r['cold'] for r in runs):.1f} s "
                      f"| {statistics.median(r['one'] for r in runs):.1f} s | {statistics.median(ratios):.2f} "
