@@ -69,6 +69,71 @@ def test_pairs_are_found_from_the_order_and_shapes_of_the_dense_calls():
     assert find_pairs(order, shapes) == [(("b/gate/kernel", "b/up/kernel"), "b/down/kernel")]
 
 
+def test_multi_head_projections_pair_by_their_heads_and_grouped_query_attention_does_not():
+    shapes = {"a/q/kernel": (64, 4, 16), "a/k/kernel": (64, 4, 16), "a/v/kernel": (64, 4, 16),
+              "a/o/kernel": (4, 16, 64), "g/q/kernel": (64, 8, 16), "g/k/kernel": (64, 2, 16),
+              "g/v/kernel": (64, 2, 16), "g/o/kernel": (8, 16, 64)}
+    order = ["a/q/kernel", "a/k/kernel", "a/v/kernel", "a/o/kernel", "g/q/kernel", "g/k/kernel", "g/v/kernel",
+             "g/o/kernel"]
+    assert find_pairs(order, shapes) == [(("a/q/kernel", "a/k/kernel", "a/v/kernel"), "a/o/kernel")]
+
+
+class _MhaBlock(nn.Module):
+    """Flax's own attention (DenseGeneral q/k/v with biases, (H, hd, D) output) and a Dense MLP."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h)
+        return x + nn.Dense(x.shape[-1])(jax.nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x))))
+
+
+def test_flax_attention_is_split_by_heads_planned_with_zero3_and_trains_like_one_device():
+    """``nn.MultiHeadDotProductAttention``'s q/k/v kernels ``(D, H, hd)`` and biases ``(H, hd)``
+    take the "heads" role, its output ``(H, hd, D)`` the "row" one; the model axis's collective
+    for the output projection is its ``(seq, D)`` output per sample (``Problem.tensor_bytes``);
+    planned all-ZeRO-3 over the data axis with them split, it trains like one device."""
+    from osdp_jax.planner.problem import build_problem
+    mesh, model = _mesh(), _MhaBlock()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8, 32)), jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - 0.5 * b["x"]) ** 2)  # noqa: E731
+    batch = {"x": x}
+    tensor = osdp_jax.tensor_roles(loss_fn, params, batch, size=4)
+    attn = "MultiHeadDotProductAttention_0"
+    assert {p: r for p, r in tensor.items() if p.startswith(attn)} == {
+        **{f"{attn}/{m}/{w}": "heads" for m in ("query", "key", "value") for w in ("kernel", "bias")},
+        f"{attn}/out/kernel": "row"}
+    problem = build_problem(params, mesh, ("data",), ("zero3",), (1,), loss_fn, batch, units=(), tensor=tensor,
+                            model_axis="model")
+    assert problem.tensor_bytes[f"{attn}/out/kernel"] == 8 * 32 * 4
+    opt = optax.adam(1e-3)
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt, units=(),
+                         tensor={}, strategies=("zero3",))
+    assert plan.tensor == tensor and "heads-parallel" in plan.summary()
+    assert plan.specs[attn]["query"]["kernel"] == P("data", "model", None)
+    losses, _ = _train(loss_fn, params, batch, mesh, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_swiglu_stack_with_multi_head_projections_planned_with_its_pairs_trains_like_one_device():
+    """The Llama-style stack (``osdp_jax.layers.Stack`` of RMSNorm, DenseGeneral q/k/v/o, SwiGLU):
+    its attention split by heads and its MLP by columns/rows, per layer, all-ZeRO-3."""
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.swiglu_lm(layers=2, d=64, ffn=128, vocab=128, batch=8, seq=16)
+    opt = optax.adam(1e-3)
+    plan = osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt, units=(),
+                         tensor={}, strategies=("zero3",))
+    assert plan.tensor == {"blocks/layers/q/kernel": "heads", "blocks/layers/k/kernel": "heads",
+                           "blocks/layers/v/kernel": "heads", "blocks/layers/o/kernel": "row",
+                           "blocks/layers/gate/kernel": "column", "blocks/layers/up/kernel": "column",
+                           "blocks/layers/down/kernel": "row"}
+    losses, _ = _train(loss_fn, params, batch, mesh, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+    assert abs(plan.predicted_peak_bytes / plan.xla_peak_bytes - 1) <= 0.05
+
+
 @pytest.mark.parametrize("zero3", [False, True], ids=["replicate", "zero3"])
 def test_an_unrolled_linen_mlp_with_found_pairs_trains_like_one_device(zero3):
     mesh = _mesh()
@@ -99,8 +164,10 @@ def test_an_nnx_vit_with_found_pairs_and_an_auto_mesh_trains_like_one_device():
     mesh = _mesh(explicit=False)
     params, loss_fn, batch = foreign.vit(depth=2, d=32, batch=4, mark=False)
     tensor = osdp_jax.tensor_roles(loss_fn, params, batch, size=4)
-    assert {p for p, r in tensor.items() if r == "row"} == {"blocks/0/fc2/kernel", "blocks/1/fc2/kernel"}
-    assert tensor["blocks/0/fc1/bias"] == "column"
+    # nnx.MultiHeadAttention's LinearGeneral q/k/v split by heads, its output projection by rows
+    assert {p for p, r in tensor.items() if r == "row"} == {f"blocks/{i}/{m}/kernel" for i in (0, 1)
+                                                              for m in ("fc2", "attn/out")}
+    assert tensor["blocks/0/fc1/bias"] == "column" and tensor["blocks/0/attn/query/bias"] == "heads"
     layout = osdp_jax.Layout.from_specs(params, mesh, {}, axis="data", tensor=tensor)
     opt = optax.adam(1e-3)
     losses, _ = _train(loss_fn, params, batch, mesh, layout, opt)

@@ -7,13 +7,19 @@ A mesh may have a *model axis* beside its data-parallel axes (for example
 - ``"column"``: its output features, ``P(..., "model")`` on the last dimension (a bias of shape
   ``(F,)`` is split with it). Each device computes ``F / t`` of the layer's outputs, from its whole
   input.
-- ``"row"``: its input features, ``P("model", ...)`` on the first dimension (a bias stays whole).
-  Each device computes a partial product from its ``F / t`` inputs; the partial products are summed
+- ``"heads"``: a multi-head projection's heads, the column split of a ``(D, H, hd)`` kernel (Flax's
+  ``DenseGeneral(features=(H, hd))``, ``nnx.LinearGeneral``) on ``H``, its second-to-last
+  dimension (a bias of shape ``(H, hd)`` is split with it). Each device computes ``H / t`` whole
+  heads.
+- ``"row"``: its input features, ``P("model", ...)`` on the first dimension: ``F`` of a ``(F, D)``
+  kernel, the heads ``H`` of an attention output's ``(H, hd, D)`` (a bias stays whole). Each
+  device computes a partial product from its ``F / t`` inputs; the partial products are summed
   over the model axis (one all-reduce of the layer's output forward, one of its input's gradient
   backward).
 
-A column layer followed by elementwise work and a row layer (an MLP's up/gate and down kernels,
-attention's q/k/v and o) keeps the hidden activations split between them, as Megatron-LM does.
+A column layer followed by elementwise (or per-head) work and a row layer (an MLP's up/gate and
+down kernels; attention's q/k/v, split by heads, and o) keeps the hidden activations split
+between them, as Megatron-LM does.
 The data-parallel strategy of the same parameter (replicate, zero3) applies over the data axes as
 before; a zero3 split kernel is sharded over the data axes along another dimension than its
 model split.
@@ -27,19 +33,22 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
-ROLES = ("column", "row")
+ROLES = ("column", "heads", "row")
 
 
 def split_dim(shape, role: str, stacked: bool = False) -> int | None:
-    """The dimension of a parameter of ``shape`` that ``role`` splits over the model axis:
-    a column kernel's last, a column bias's only one, a row kernel's input features; None for a
-    row bias (kept whole) and no role. ``stacked``: a layer stack's parameter, whose leading
-    dimension is the layer axis (a layer's kernel is ``shape[1:]``)."""
+    """The dimension of a parameter of ``shape`` that ``role`` splits over the model axis: a
+    column kernel's (or bias's) last; a heads kernel's (or bias's) second-to-last; a row kernel's
+    first (its input features, or heads); None for a row bias (kept whole) and no role.
+    ``stacked``: a layer stack's parameter, whose leading dimension is the layer axis (a layer's
+    kernel is ``shape[1:]``)."""
     layer = len(shape) - int(stacked)
     if role == "column":
         return len(shape) - 1 if layer >= 1 else None
-    if role == "row":
+    if role == "heads":
         return len(shape) - 2 if layer >= 2 else None
+    if role == "row":
+        return int(stacked) if layer >= 2 else None
     return None
 
 
@@ -62,9 +71,12 @@ def manual_spec(spec: P, model_axis: str | None) -> P:
 
 def output_spec(ndim: int, role: str, model_axis: str) -> P:
     """The sharding a dense layer's output of ``ndim`` dimensions keeps over the model axis: a
-    column layer's split on its features, a row layer's whole (the partial products summed)."""
+    column layer's split on its features, a heads layer's on its heads (``(..., H, hd)``), a row
+    layer's whole (the partial products summed)."""
     if role == "column":
         return P(*([None] * (ndim - 1)), model_axis)
+    if role == "heads":
+        return P(*([None] * (ndim - 2)), model_axis, None)
     return P()
 
 
@@ -73,9 +85,10 @@ def check_tensor(path: str, shape, role: str, spec: P, model_axis: str, size: in
     of ``size`` devices under its data-parallel ``spec``."""
     if role not in ROLES:
         raise ValueError(f"parameter {path!r}: tensor role must be one of {list(ROLES)}, got {role!r}")
-    if len(shape) - int(stacked) not in (1, 2):
-        raise ValueError(f"parameter {path!r} {tuple(shape)}: only dense kernels (2-D, per layer of a stack) and "
-                         f"their biases (1-D) can be split over the model axis")
+    if len(shape) - int(stacked) not in (1, 2, 3) or (role == "heads" and len(shape) - int(stacked) < 2):
+        raise ValueError(f"parameter {path!r} {tuple(shape)}: only dense kernels (2-D, or 3-D multi-head "
+                         f"projections, per layer of a stack) and their biases can be split over the model axis, "
+                         f"and 'heads' needs a (..., H, hd) shape")
     dim = split_dim(shape, role, stacked)
     if dim is None:
         return

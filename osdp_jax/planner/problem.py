@@ -213,7 +213,8 @@ TENSOR_WITH = ("replicate", "zero3")  # the data-parallel strategies a parameter
 
 def _tensor_bytes(tensor: dict, infos, found, batch, in_loop) -> dict[str, float]:
     """Row kernel path -> the bytes of its layer's output per global sample: its input's
-    recorded shape (at ``batch``'s size) but for the last dimension, times its output features."""
+    recorded shape (at ``batch``'s size) but for the dimensions it contracts, times its output
+    features."""
     if found is None or not tensor:
         return {}
     size = int(jax.tree.leaves(batch)[0].shape[0])
@@ -225,7 +226,9 @@ def _tensor_bytes(tensor: dict, infos, found, batch, in_loop) -> dict[str, float
             continue
         info = by_path[path]
         layers = info.shape[0] if path in in_loop else 1  # a layer stack's: one all-reduce pair per layer
-        out[path] = layers * float(np.prod(shape[:-1])) / size * info.shape[-1] * np.dtype(info.dtype).itemsize
+        contracted = len(info.shape) - (path in in_loop) - 1  # (F, D): F; a multi-head (H, hd, D): H, hd
+        out[path] = (layers * float(np.prod(shape[:-contracted])) / size * info.shape[-1]
+                     * np.dtype(info.dtype).itemsize)
     return out
 
 

@@ -3,21 +3,27 @@
 Megatron-style tensor parallelism splits a *column* layer's output features and the *row* layer
 that reads them on its input features, so the hidden activations between them stay split
 (``osdp_jax.core.tensor``). Tracing the loss once (``planner.discover``) records every kernel
-that reaches a Flax ``Dense``/``nnx.Linear`` layer (or ``osdp_jax.split.dense``), in the order the
-layers are first called. From that order and the kernels' shapes :func:`find_pairs` takes:
+that reaches a Flax ``Dense``/``nnx.Linear`` layer (or ``osdp_jax.split.dense``) or a multi-head
+projection (``DenseGeneral``/``nnx.LinearGeneral``), in the order the layers are first called.
+From that order and the kernels' shapes :func:`find_pairs` takes:
 
 - a *row* kernel ``(F, D)``, with ``F != D``;
 - as its *columns*, the run of kernels called just before it, in the same parent module, each
-  ``(D_i, F)`` with ``D_i != F``: an MLP's up (and gate) kernels before its down kernel.
+  ``(D_i, F)`` with ``D_i != F``: an MLP's up (and gate) kernels before its down kernel;
+- and for attention written with multi-head projections (Flax's ``MultiHeadDotProductAttention``,
+  ``nnx.MultiHeadAttention``, or ``DenseGeneral(features=(H, hd))`` of one's own): a row
+  ``(H, hd, D)`` (the output projection), with the run of ``(D_i, H, hd)`` projections called
+  just before it in the same module (q, k, v) as its ``"heads"`` columns, split by whole heads.
+  Grouped-query attention's k/v (fewer heads) end the run: such attention stays data-parallel.
 
 A layer stack's kernels (``osdp_jax.layers.scan``) pair by their layers' shapes; a model's own
 scan's (``nn.scan``) do not pair. A kernel is in one pair at most; a kernel in none stays
-data-parallel only. Square kernels (attention's q/k/v/o projections of width d) are not paired
-from shapes, since the calls alone do not show whether one layer reads another's output: name
-them with
-``tensor_roles(..., hint=...)`` patterns. The pairing decides only where the model axis's
-collectives go, never the result: the step leaves that axis to XLA's partitioner, which keeps
-any pairing exact.
+data-parallel only. Square 2-D kernels (attention's q/k/v/o projections of width d written as
+``Dense(d)``) are not paired from shapes, since the calls alone do not show whether one layer
+reads another's output: name them with ``tensor_roles(..., hint=...)`` patterns (``"column"``
+for q/k/v, whose heads are then contiguous slices of d, and ``"row"`` for o). The pairing
+decides only where the model axis's collectives go, never the result: the step leaves that axis
+to XLA's partitioner, which keeps any pairing exact.
 """
 from __future__ import annotations
 
@@ -34,17 +40,19 @@ def _parent(path: str) -> str:
 
 def find_pairs(order, shapes: dict) -> list[tuple[tuple[str, ...], str]]:
     """``[(column kernel paths, row kernel path), ...]`` from the kernels' first-call ``order``
-    and ``shapes`` (path -> shape), as the module docstring says."""
+    and ``shapes`` (path -> shape), as the module docstring says: a 2-D row ``(F, D)`` with its
+    run of ``(D_i, F)`` columns, or a multi-head row ``(H, hd, D)`` with its run of
+    ``(D_i, H, hd)`` projections."""
     pairs, taken = [], set()
-    order = [p for p in order if len(shapes.get(p, ())) == 2]
+    order = [p for p in order if len(shapes.get(p, ())) in (2, 3)]
     for i, row in enumerate(order):
-        width, out = shapes[row]
-        if width == out or row in taken:
+        hidden, out = shapes[row][:-1], shapes[row][-1]
+        if hidden == (out,) or row in taken:
             continue
         columns = []
         for before in reversed(order[:i]):
-            d_in, d_out = shapes[before]
-            if before in taken or _parent(before) != _parent(row) or d_out != width or d_in == width:
+            d_in, rest = shapes[before][0], shapes[before][1:]
+            if before in taken or _parent(before) != _parent(row) or rest != hidden or (d_in,) == hidden:
                 break
             columns.append(before)
         if columns:
@@ -79,7 +87,8 @@ def tensor_roles(loss_fn, params, batch, *, size: int = 1, hint=None) -> dict[st
     roles: dict[str, str] = {}
     for columns, row in find_pairs([p for p in found.dense_order if p in layer], layer):
         if layer[row][0] % size == 0:
-            roles.update({c: "column" for c in columns}, **{row: "row"})
+            kind = "heads" if len(layer[row]) == 3 else "column"
+            roles.update({c: kind for c in columns}, **{row: "row"})
     for pattern, role in (hint or {}).items():
         if role not in ROLES:
             raise ValueError(f"tensor hint {pattern!r}: role must be one of {list(ROLES)}, got {role!r}")
@@ -91,6 +100,6 @@ def tensor_roles(loss_fn, params, batch, *, size: int = 1, hint=None) -> dict[st
     biases = {}
     for path, role in roles.items():
         bias = _bias(path, infos)
-        if role == "column" and bias is not None and bias not in roles:
-            biases[bias] = "column"
+        if role in ("column", "heads") and bias is not None and bias not in roles:
+            biases[bias] = role
     return {**roles, **biases}

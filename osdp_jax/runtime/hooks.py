@@ -46,14 +46,21 @@ def dense(x, kernel, bias=None, *, precision=None, dtype=None):
     return y + bias.astype(y.dtype) if bias is not None else y
 
 
-def record(kernel, x=None) -> None:
-    """During discovery, note that ``kernel`` (a 2-D parameter) reaches a splittable dense layer,
-    and the shape of its input ``x`` (the first call's)."""
+def record(kernel, x=None, splittable: bool = True) -> None:
+    """During discovery, note that ``kernel`` reaches a dense layer, in the order layers are
+    first called, and the shape of its input ``x`` (the first call's); a 2-D kernel of a
+    ``splittable`` layer (Dense, Linear) is also one operator splitting may split. A
+    multi-head projection's (``DenseGeneral``, ``LinearGeneral``) is recorded with
+    ``splittable=False``: for its order and input only (``planner.tensor_pairs``)."""
     ctx = ACTIVE.get()
-    if ctx is not None and ctx.recording and getattr(kernel, "ndim", 0) == 2:
+    if ctx is not None and ctx.recording and getattr(kernel, "ndim", 0) >= 2:
         path = ctx.lookup(kernel)
-        if path is not None:
+        if path is None:
+            return
+        if splittable and kernel.ndim == 2:
             ctx.recorded_split.add(path)
-            if path not in ctx.recorded_dense:
-                ctx.recorded_dense.append(path)
-                ctx.recorded_inputs[path] = tuple(getattr(x, "shape", ()))
+        elif splittable:
+            return
+        if path not in ctx.recorded_dense:
+            ctx.recorded_dense.append(path)
+            ctx.recorded_inputs[path] = tuple(getattr(x, "shape", ()))

@@ -4,6 +4,9 @@ Inside ``intercepting()``:
 
 - ``flax.linen.Dense`` and ``flax.nnx.Linear`` call :func:`~osdp_jax.runtime.hooks.dense` (a
   split or layer-gathered kernel runs there);
+- ``flax.linen.DenseGeneral`` and ``flax.nnx.LinearGeneral`` (multi-head projections) run as Flax
+  has them, their calls recorded while discovering and their outputs kept split over a model
+  axis as their kernels' tensor roles say;
 - ``flax.linen.Embed`` and ``flax.nnx.Embed`` look up through
   :func:`~osdp_jax.runtime.kernels.lookup` (their ``attend`` is unchanged).
 
@@ -150,6 +153,10 @@ def _linen_layer(next_fun, args, kwargs, context):
             return _tensor_output(kernel, next_fun(*args, **kwargs))
         bias = module.scope.get_variable("params", "bias") if module.use_bias else None
         return _tensor_output(kernel, dense(args[0], kernel, bias, precision=module.precision, dtype=module.dtype))
+    if type(module) is nn.DenseGeneral and module.scope.has_variable("params", "kernel"):
+        kernel = module.scope.get_variable("params", "kernel")
+        record(kernel, args[0], splittable=False)
+        return _tensor_output(kernel, next_fun(*args, **kwargs))
     if type(module) is nn.Embed and _LOCAL.lookups:
         if (module.num_embeddings == 1 or not jnp.issubdtype(args[0].dtype, jnp.integer)
                 or not module.scope.has_variable("params", "embedding")):
@@ -174,6 +181,12 @@ def _nnx_linear(original, self, inputs, out_sharding=None):
     return _tensor_output(kernel, y)
 
 
+def _nnx_linear_general(original, self, inputs, *args, **kwargs):
+    kernel = self.kernel[...]
+    record(kernel, inputs, splittable=False)
+    return _tensor_output(kernel, original(self, inputs, *args, **kwargs))
+
+
 def _tensor_output(kernel, y):
     """``y`` sharded over the model axis as ``kernel``'s tensor role says (``StepContext.tensor_output``)."""
     ctx = ACTIVE.get()
@@ -195,6 +208,7 @@ def intercepting(lookups: bool = True):
     ``lookups=False`` leaves Embed to Flax (``jnp.take``, whose table-sized gradient XLA:CPU
     allocates at the top of the step): for measuring what :func:`~.kernels.lookup` saves."""
     _install(nnx.Linear, "__call__", _nnx_linear)
+    _install(nnx.LinearGeneral, "__call__", _nnx_linear_general)
     _install(nnx.Embed, "__call__", _nnx_embed)
     saved = getattr(_LOCAL, "depth", 0), getattr(_LOCAL, "lookups", True)
     _LOCAL.depth, _LOCAL.lookups = saved[0] + 1, lookups
