@@ -91,3 +91,45 @@ def test_a_split_count_a_parameter_cannot_take_leaves_it_unsplit(mesh, splits):
     for pp in split:  # a kernel takes k only if k times the devices divides its sharded dimension
         dim = next(i for i, e in enumerate(pp.spec) if e is not None)
         assert pp.shape[dim] % (8 * pp.split) == 0 and "LayerNorm" not in pp.path
+
+
+TENSOR_OPTIONS = st.fixed_dictionaries({
+    "model": st.sampled_from(sorted(MODELS)),
+    "tensor": st.sampled_from(["auto", {}]),
+    "model_sizes": st.sampled_from([None, (2,), (1, 4), "auto"]),
+    "strategies": st.lists(st.sampled_from(["replicate", "zero3", "zero2", "hsdp"]), min_size=1, max_size=3,
+                           unique=True),
+    "splits": st.lists(st.sampled_from([1, 2, 4]), min_size=1, max_size=2, unique=True),
+    "microbatches": st.sampled_from([(1,), (1, 2)]),
+    "units": st.sampled_from([None, ()]),
+    "batch_sizes": st.sampled_from([None, (4,), (4, 8)]),
+    "compute_dtype": st.sampled_from([None, "bfloat16"]),
+    "budget": st.sampled_from(["least", "1KiB", "4MiB", "1GB"]),
+})
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(TENSOR_OPTIONS)
+def test_any_tensor_parallel_options_end_in_a_plan_an_infeasible_budget_or_a_clear_error(options):
+    """The same on a 2 (data) x 4 (model) mesh with ``tensor=`` and ``model_sizes=``: a plan that
+    fits on the mesh it names (``Plan.make_mesh``), or one of the two errors."""
+    options = dict(options)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    params, loss_fn, batch = MODELS[options.pop("model")](8)
+    try:
+        plan = osdp_jax.plan(params, mesh, loss_fn=loss_fn, batch=batch, optimizer=optax.sgd(0.1), **options)
+    except osdp_jax.InfeasibleBudgetError as e:
+        assert isinstance(e.min_bytes, int) and e.min_bytes > osdp_jax.parse_bytes(options["budget"])
+        return
+    except ValueError as e:
+        assert any(word in str(e) for word in ("strateg", "split", "microbatch", "batch size", "hsdp", "mesh",
+                                               "model")), e
+        return
+    assert plan.xla_peak_bytes is not None and plan.xla_peak_bytes <= plan.budget_bytes
+    assert set(plan.counts()) <= set(options["strategies"]) | {"replicate"}
+    assert plan.batch_size in (options["batch_sizes"] or (8,))
+    shape = dict(plan.mesh_shape)
+    assert shape["data"] * shape["model"] == 8 and plan.make_mesh().shape == shape
+    if plan.model_axis:
+        assert all(pp.strategy in ("replicate", "zero3") and pp.split == 1 for pp in plan.params if pp.tensor)

@@ -45,9 +45,12 @@ class Collective:
     two_stage: bool = False
     dtype: str | None = None  # gathered in this dtype (the shard cast first, e.g. "bfloat16"), and its
     #                           gradient reduce-scattered in it; None: the parameter's own dtype
+    model_axis: str | None = None  # a model axis the step leaves to XLA: gathered in a shard_map manual over it
+    #                                too (runtime.collectives.gather)
 
 
-def collective(spec: P, axes, two_stage: bool = False, dtype: str | None = None) -> Collective | None:
+def collective(spec: P, axes, two_stage: bool = False, dtype: str | None = None,
+               model_axis: str | None = None) -> Collective | None:
     """How a parameter stored as ``spec`` is gathered: over the axes its sharded dimension names;
     its gradient is also summed over the other data-parallel ``axes``. None if replicated."""
     dim = sharded_dim(spec)
@@ -55,7 +58,7 @@ def collective(spec: P, axes, two_stage: bool = False, dtype: str | None = None)
         return None
     entry = spec[dim]
     on = tuple(entry) if isinstance(entry, tuple) else (entry,)
-    return Collective(on, tuple(a for a in axes if a not in on), two_stage, dtype or None)
+    return Collective(on, tuple(a for a in axes if a not in on), two_stage, dtype or None, model_axis or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +204,8 @@ class Layout:
 
     def collectives(self) -> dict[str, Collective | None]:
         """Path -> how it is gathered (None: replicated)."""
-        return {pl.path: collective(pl.spec, self.axes, pl.two_stage, pl.gather_dtype) for pl in self.params}
+        return {pl.path: collective(pl.spec, self.axes, pl.two_stage, pl.gather_dtype, self.model_axis)
+                for pl in self.params}
 
     # --- constructors ------------------------------------------------------------------------
     @classmethod
@@ -232,11 +236,12 @@ class Layout:
         ``jax.lax.scan`` of its own (Flax ``nn.scan``, ``nnx.scan``; ``osdp_jax.model_loops``
         finds them); they are ``in_loop`` too (segments and remat as for those), unsplit, each
         layer's slice gathered inside the model's loop (``runtime.model_loops``).
-        ``tensor``: path -> ``"column"`` or ``"row"``, tensor parallelism over the mesh axis
-        ``model_axis`` (default ``"model"``; it must not be a data-parallel axis, so pass
-        ``axis=``): a column kernel split on its output features, a row kernel on its input features
-        (``osdp_jax.core.tensor``); a stack's parameter is split per layer, one of the model's own
-        scan (``model_loop``) cannot take one."""
+        ``tensor``: path -> ``"column"``, ``"heads"`` or ``"row"``, tensor parallelism over the
+        mesh axis ``model_axis`` (default ``"model"``; it must not be a data-parallel axis, so pass
+        ``axis=``): a column kernel split on its output features, a heads kernel ``(D, H, hd)``
+        on its heads, a row kernel on its input features (``osdp_jax.core.tensor``); a stack's
+        parameter is split per layer, one of the model's own scan (``model_loop``) cannot take
+        one."""
         axes = data_axes(mesh, axis)
         tensor = dict(tensor or {})
         model_axis = _model_axis(mesh, axes, model_axis, bool(tensor))

@@ -6,15 +6,33 @@ bandwidth W (bytes/s): all-gather and reduce-scatter (N-1)/N V / W seconds each.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from osdp_jax.core.layout import Collective
 
 
+def gather(shard, dim: int, how: Collective, model=None):
+    """All-gather a ZeRO-3 shard along ``dim`` as ``how`` says (inside shard_map; :func:`_gather`).
+
+    With ``how.model_axis`` (a model axis the step's ``shard_map`` leaves to XLA), inside a
+    nested ``shard_map`` manual over that axis too, the shard split over it as ``model`` says
+    (``core.tensor``; None: whole on each of its devices): a data-axis collective in a partly
+    manual ``shard_map`` would otherwise gather the model split too (XLA replicates an operand's
+    automatic axes before a manual collective), and a low-precision gather's cast gradient
+    aborts XLA's partitioner there."""
+    if how.model_axis is None:
+        return _gather(shard, dim, how)
+    spec, inner = P() if model is None else model, dataclasses.replace(how, model_axis=None)
+    return jax.shard_map(lambda part: _gather(part, dim, inner), in_specs=spec, out_specs=spec,
+                         axis_names={how.model_axis}, check_vma=False)(shard)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather(shard, dim: int, how: Collective):
+def _gather(shard, dim: int, how: Collective):
     """All-gather a ZeRO-3 shard along ``dim`` as ``how`` says (inside shard_map). With
     ``how.dtype`` (e.g. bfloat16) the shard is cast to it for the collective and the gathered
     weight cast back to the shard's dtype, so the model computes in its own dtypes on the
@@ -37,7 +55,7 @@ def gather(shard, dim: int, how: Collective):
 
 
 def _gather_fwd(shard, dim, how):
-    return gather(shard, dim, how), jax.numpy.zeros((), shard.dtype)  # the shard's dtype, for the gradient
+    return _gather(shard, dim, how), jax.numpy.zeros((), shard.dtype)  # the shard's dtype, for the gradient
 
 
 def _gather_bwd(dim, how, like, cotangent):
@@ -53,19 +71,7 @@ def _gather_bwd(dim, how, like, cotangent):
     return (cotangent.astype(like.dtype),)
 
 
-gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-def gather_split(shard, dim: int, how: Collective, model=None):
-    """:func:`gather`, for a shard also split over a model axis (``model``: its ``PartitionSpec``
-    there, ``core.tensor``) by a nested ``shard_map`` manual over that axis: a data-axis collective
-    in a ``shard_map`` that leaves the model axis to XLA would otherwise gather the model split
-    too (XLA replicates an operand's automatic axes before a manual collective)."""
-    if model is None:
-        return gather(shard, dim, how)
-    axis = next(entry for entry in model if entry is not None)
-    return jax.shard_map(lambda part: gather(part, dim, how), in_specs=model, out_specs=model, axis_names={axis},
-                         check_vma=False)(shard)
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def device_index(axes):

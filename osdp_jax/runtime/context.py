@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from osdp_jax.core.layout import Collective
 from osdp_jax.core.tensor import output_spec, storage_spec
-from osdp_jax.runtime.collectives import gather_split
+from osdp_jax.runtime.collectives import gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SplitSpec:
     def gather(self, shard):
         """The whole kernel from this device's ``shard``, all-gathered over the data axes (and kept
         split over the model axis as :attr:`model` says)."""
-        return gather_split(shard, self.dim, self.how, self.model)
+        return gather(shard, self.dim, self.how, self.model)
 
 
 class SplitEntry(NamedTuple):

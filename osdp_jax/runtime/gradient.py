@@ -42,7 +42,7 @@ from osdp_jax.core.simulated import warn_if_collectives_may_race
 from osdp_jax.core.stack import Segmented, is_segmented
 from osdp_jax.core.strategies import accumulation, axes_size, axis_entry, sharded_dim
 from osdp_jax.core.tensor import storage_spec
-from osdp_jax.runtime.collectives import device_index, gather, gather_split
+from osdp_jax.runtime.collectives import device_index, gather
 from osdp_jax.runtime.context import SplitEntry, StepContext, active
 from osdp_jax.runtime.hooks import wrap_tree
 from osdp_jax.runtime.interception import intercepting
@@ -122,9 +122,7 @@ def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = Tr
             return placeholder(view) if name in loops else view
         if sharded_dim(s) is None or name in split_specs:
             return w
-        role = gathering.tensor.get(name)
-        model = storage_spec(P(), np.shape(w), role, gathering.model_axis) if role else None
-        return gather_split(w, sharded_dim(s), how[name], model)
+        return gather(w, sharded_dim(s), how[name], _model_spec(gathering, name, w))
 
     def run(p, *args, **kwargs):
         ctx = StepContext(split_specs, per_step=gathering.per_step, units=gathering.units,
@@ -189,6 +187,12 @@ class StepOptions:
         return loss, aux, new_state
 
 
+def _model_spec(gathering, name: str, w) -> P | None:
+    """How parameter ``name`` (local array ``w``) is split over the model axis, or None."""
+    role = gathering.tensor.get(name)
+    return storage_spec(P(), np.shape(w), role, gathering.model_axis) if role else None
+
+
 def _scatter(g, state: P, axes):
     """A whole local gradient reduce-scattered (summed) to the shard its state ``state`` keeps."""
     return jax.lax.psum_scatter(g, axes if len(axes) > 1 else axes[0], scatter_dimension=sharded_dim(state), tiled=True)
@@ -249,7 +253,8 @@ def _accumulated(loss_fn, param_specs, state_specs, axes, n: int, gathering: "_G
         param_specs, is_leaf=lambda x: isinstance(x, P))[0]}
     shards = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0] if path_name(p) in kept}
     gathered, pullback = jax.vjp(
-        lambda xs: {p: gather(x, sharded_dim(specs[p]), gathering.how[p]) for p, x in xs.items()}, shards)
+        lambda xs: {p: gather(x, sharded_dim(specs[p]), gathering.how[p], _model_spec(gathering, p, x))
+                    for p, x in xs.items()}, shards)
     inner = _by_path(lambda p, x: gathered[p] if p in kept else x, params)
     inner_view = model_view(loss_fn, _by_path(lambda p, s: P() if p in kept else s, param_specs),
                             gathering.inside_microbatches(), options.embed_lookup)
@@ -394,7 +399,7 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
             segments = pl.segments or one_segment(shapes[pl.path][0], pl.spec, pl.strategy, pl.split,
                                                   pl.two_stage, "full")
             for seg in segments:
-                c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype)
+                c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype, layout.model_axis)
                 model = storage_spec(P(), shapes[pl.path][1:], pl.tensor, layout.model_axis) if pl.tensor else None
                 runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
                                        axes_size(mesh, c.axes) if c else 1, seg.remat, pl.tensor, model))

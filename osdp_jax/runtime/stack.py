@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from osdp_jax.core.layout import Collective
 from osdp_jax.core.stack import GATHERED_NAME, check_remat, is_segmented, remat_policy
-from osdp_jax.runtime.collectives import gather_split
+from osdp_jax.runtime.collectives import gather
 from osdp_jax.runtime.context import ACTIVE, SplitKernel, SplitSpec
 
 log = logging.getLogger("osdp_jax")
@@ -82,7 +82,8 @@ class StackView:
             return _tensor_slice(local, run)
         if run.k > 1:
             return SplitKernel(local, self.shape[1:], SplitSpec(run.dim - 1, run.how, run.k), self.path)
-        return _tensor_slice(checkpoint_name(gather_split(local, run.dim - 1, run.how, run.model), GATHERED_NAME), run)
+        gathered = gather(local, run.dim - 1, run.how, run.model)
+        return _tensor_slice(checkpoint_name(gathered, GATHERED_NAME), run)
 
     def __repr__(self):
         return f"StackView({self.path!r}, shape={self.shape}, segments={len(self.runs)})"
