@@ -287,6 +287,59 @@ def test_logical_axis_rules_place_an_annotated_model_as_the_layout_and_it_trains
     np.testing.assert_allclose(losses, _one_device(loss_fn, nn.unbox(boxed), x, opt), rtol=1e-5)
 
 
+class _AnnotatedAttention(nn.Module):
+    """MaxText-style names on DenseGeneral attention and a Dense MLP: ("embed", "heads", "kv"),
+    ("heads", "kv", "embed"), ("embed", "mlp"), ("mlp", "embed"), an RMSNorm ("norm",)."""
+
+    @nn.compact
+    def __call__(self, x):
+        named = lambda *names: nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)  # noqa: E731
+        h = nn.RMSNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))(x)
+        q, k, v = (nn.DenseGeneral((4, 16), use_bias=False, kernel_init=named("embed", "heads", "kv"), name=n)(h)
+                   for n in "qkv")
+        a = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, axis=-1)
+        x = x + nn.DenseGeneral(64, axis=(-2, -1), use_bias=False, kernel_init=named("heads", "kv", "embed"),
+                                name="o")(jnp.einsum("bhqk,bkhd->bqhd", a, v))
+        h = nn.Dense(256, use_bias=False, kernel_init=named("embed", "mlp"))(x)
+        return x + nn.Dense(64, use_bias=False, kernel_init=named("mlp", "embed"))(jax.nn.gelu(h))
+
+
+def _annotated_attention():
+    model, x = _AnnotatedAttention(), jnp.asarray(np.random.default_rng(1).normal(size=(8, 8, 64)), jnp.float32)
+    boxed = model.init(jax.random.key(0), x)["params"]
+    return boxed, lambda p, b: jnp.mean((model.apply({"params": p}, b) - 0.5 * b) ** 2), x
+
+
+def test_with_logical_names_every_data_parallel_shard_takes_the_most_common_name():
+    """All-zero3 with the pairs split: the output projection ``(heads, kv, embed)``, split over
+    the model axis on ``heads``, is sharded over the data axis on ``embed`` (the name most bytes
+    carry), not on ``kv`` (the first dimension the devices divide): one rule per name holds."""
+    from osdp_jax.planner.problem import build_problem
+    mesh = _mesh()
+    boxed, loss_fn, x = _annotated_attention()
+    tensor = osdp_jax.tensor_roles(loss_fn, boxed, x, size=4)
+    problem = build_problem(boxed, mesh, ("data",), ("zero3",), (1,), tensor=tensor, model_axis="model")
+    specs = {i.path: problem.spec_of(i, "zero3") for i in problem.infos}
+    assert specs["o/kernel"] == P(None, None, "data") and specs["Dense_1/kernel"] == P(None, "data")
+    assert specs["q/kernel"] == P("data") and specs["Dense_0/kernel"] == P("data")
+
+
+@pytest.mark.slow
+def test_an_annotated_attention_model_planned_all_zero3_gets_rules_that_place_it_and_trains_like_one_device():
+    mesh = _mesh()
+    boxed, loss_fn, x = _annotated_attention()
+    opt = optax.adam(1e-2)
+    plan = osdp_jax.plan(boxed, mesh, budget="1GB", loss_fn=loss_fn, batch=x, optimizer=opt, tensor={}, units=(),
+                         strategies=("zero3",))
+    rules = osdp_jax.logical_axis_rules(boxed, plan)
+    assert dict(rules) == {"embed": "data", "mlp": "model", "norm": "data", "heads": "model", "kv": None}
+    by_rules = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    placed = nn.unbox(osdp_jax.shard(boxed, mesh, plan))
+    assert jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding.spec == s.spec, placed, by_rules)) == [True] * 7
+    losses, _ = _train(loss_fn, boxed, x, mesh, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, nn.unbox(boxed), x, opt), rtol=1e-5)
+
+
 def test_a_layout_no_rules_can_express_is_one_clear_error():
     mesh = _mesh()
     model, x = _Annotated(), jnp.ones((8, 64))

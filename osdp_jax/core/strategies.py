@@ -150,12 +150,13 @@ def axes_size(mesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def shard_dim(info: ParamInfo, n: int, first: int = 0) -> int | None:
-    """The dimension zero3 splits (the first divisible by n, from dimension ``first`` on), or None."""
+def shard_dim(info: ParamInfo, n: int, first: int = 0, prefer: int | None = None) -> int | None:
+    """The dimension zero3 splits: ``prefer`` where n divides it, else the first divisible by n,
+    from dimension ``first`` on; or None."""
     dims = [d for d, size in enumerate(info.shape) if d >= first and size % n == 0 and size >= n]
     if n <= 1 or not dims:
         return None
-    return dims[0]
+    return prefer if prefer in dims else dims[0]
 
 
 def axis_entry(axes: Sequence[str]):
@@ -164,22 +165,23 @@ def axis_entry(axes: Sequence[str]):
 
 
 def spec_for(info: ParamInfo, strategy: str, axes: Sequence[str], n: int, in_loop: bool = False,
-             inner: int | None = None) -> P | None:
+             inner: int | None = None, prefer: int | None = None) -> P | None:
     """The storage spec of ``info`` under ``strategy``, or None when it cannot be applied.
 
     ``n`` is the data-parallel size; ``inner`` the size of the last data-parallel axis (hsdp).
     A parameter gathered inside a layer loop (``in_loop``) keeps its leading layer axis whole, so
-    every layer's slice is spread over all devices.
+    every layer's slice is spread over all devices. ``prefer``: the dimension to shard where the
+    devices divide it (:func:`shard_dim`).
     """
     if strategy == "replicate":
         return P()
     if strategy == "zero2":  # stored whole; only its gradient and optimizer state are sharded
-        return P() if spec_for(info, "zero3", axes, n, in_loop) is not None else None
+        return P() if spec_for(info, "zero3", axes, n, in_loop, prefer=prefer) is not None else None
     if strategy in GATHERED:
         if strategy == "hsdp" and (len(axes) < 2 or inner is None):
             return None
         over, size = (axes, n) if strategy == "zero3" else ((axes[-1],), inner)
-        dim = shard_dim(info, size, first=1 if in_loop else 0)
+        dim = shard_dim(info, size, first=1 if in_loop else 0, prefer=prefer)
         if dim is None:
             return None
         return P(*([None] * dim), axis_entry(over))

@@ -8,6 +8,7 @@ Everything else in the planner reads it; nothing here compiles.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from osdp_jax.core.describe import ParamInfo, check_trainable, describe
 from osdp_jax.core.layout import Layout, ParamLayout, one_segment
+from osdp_jax.core.logical import logical_names
 from osdp_jax.core.stack import Segment, check_remat
 from osdp_jax.core.strategies import GATHERED, axes_size, sharded_dim, spec_for
 from osdp_jax.core.tensor import split_dim
@@ -57,6 +59,8 @@ class Problem:
     model_size: int = 1  # devices on model_axis
     tensor_bytes: dict = dataclasses.field(default_factory=dict)  # row kernel path -> bytes of its output per
     #                                                                 global sample (all-reduced over model_axis)
+    data_dims: dict = dataclasses.field(default_factory=dict)  # path -> the dimension a data-parallel shard
+    #                                                              takes where the devices divide it (logical names)
 
     def model_share(self) -> np.ndarray:
         """Per parameter, the share of it one device of the model axis holds (1/t split, else 1)."""
@@ -123,7 +127,8 @@ class Problem:
         dim = self._split_dim(info)
         if dim is not None:
             info = dataclasses.replace(info, shape=tuple(1 if d == dim else n for d, n in enumerate(info.shape)))
-        return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner)
+        return spec_for(info, strategy, self.axes, self.n, info.path in self.in_loop, self.topo.inner,
+                        self.data_dims.get(info.path))
 
     def _sharded_columns(self) -> np.ndarray:
         return np.array([column[0] != "replicate" for column in self.columns], dtype=bool)
@@ -232,6 +237,32 @@ def _tensor_bytes(tensor: dict, infos, found, batch, in_loop) -> dict[str, float
     return out
 
 
+def _data_dims(params, infos, tensor: dict, in_loop) -> dict[str, int]:
+    """For parameters annotated with logical axis names: path -> the dimension carrying the name
+    the most parameter bytes carry (the model axis's split dimensions and a stack's layer axis
+    left out), so that every data-parallel shard splits one name and one rule per name
+    (``osdp_jax.logical_axis_rules``) can place a plan's parameters. Empty without names."""
+    names = logical_names(params)
+    if not names:
+        return {}
+    by_path = {i.path: i for i in infos}
+    free = {}  # path -> {name: dimension} a data-parallel shard may take
+    for path, dims in names.items():
+        info = by_path.get(path)
+        if info is None:
+            continue
+        skip = {split_dim(info.shape, tensor.get(path, ""), path in in_loop), 0 if path in in_loop else None}
+        free[path] = {name: d for d, name in enumerate(dims) if name is not None and d not in skip}
+    weight = collections.Counter()
+    for path, dims in free.items():
+        for name in dims:
+            weight[name] += by_path[path].nbytes
+    if not weight:
+        return {}
+    top = max(weight, key=lambda name: (weight[name], name))
+    return {path: dims[top] for path, dims in free.items() if top in dims}
+
+
 def _probe_segments(layers: int, under: int, spec, strategy: str, k: int, remat: str) -> tuple:
     """One segment of ``layers`` layers, its first ``under`` run with ``remat`` and the rest with
     "full" (two segments then; one, "full", when ``under`` is 0)."""
@@ -315,7 +346,8 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
                       model_loop=model_loop, tensor=tensor, model_axis=model_axis if tensor else None,
                       model_size=mesh.shape[model_axis] if tensor else 1,
                       tensor_bytes=_tensor_bytes(tensor, infos, found if loss_fn is not None else None, batch,
-                                                 in_loop))
+                                                 in_loop),
+                      data_dims=_data_dims(params, infos, tensor, in_loop))
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     if 1 not in splits:  # a kernel that must split is gathered slice by slice, never whole with a unit
         must_split = {path for (path, _), counts in ks.items() if counts}
