@@ -347,8 +347,8 @@ def _model_sizes(model_sizes, tensor, mesh, model: str, axes: tuple) -> tuple[in
     axis data-parallel, with ``tensor="auto"``); ``"auto"``: every size from 1 that divides the
     model axis and its neighbouring data axis together."""
     own, pool = mesh.shape[model], mesh.shape[model] * mesh.shape[axes[-1]]
-    data = mesh.size // pool * pool  # the data-parallel devices at model size t are data // t
-    fits = tuple(t for t in range(1, pool + 1) if pool % t == 0 and (t == 1 or data // t >= 2))
+    # at model size t, mesh.size // t devices are data-parallel: at least 2 where t > 1
+    fits = tuple(t for t in range(1, pool + 1) if pool % t == 0 and (t == 1 or mesh.size // t >= 2))
     if model_sizes is None:
         return (1, own) if tensor == "auto" else (own,)
     if isinstance(model_sizes, str) and model_sizes == "auto":
