@@ -883,9 +883,12 @@ def speed_bound(prepared: _Prepared) -> float:
     ``F + max(0, C - overlap F) >= C`` for overlap <= 1), each parameter's at least those of its
     cheapest choice, plus the model axis's all-reduces (:func:`_with_tensor_seconds`); so at most
     ``max_b b / C(b)`` samples/s over the global batch sizes b. inf without a batch, with timed
-    probes (they rescale the collectives) or where no collective is left."""
+    probes (they rescale the collectives), where no collective is left, and where a layer stack's
+    remat policy may save compute on hardware that overlaps (a saving counts among the items
+    there, so the items may total less than the collectives)."""
     problem, options = prepared.problem, prepared.plan_options
-    if options.measure_time or None in prepared.batches:
+    saves = problem.stacks and set(prepared.policies) - {"full"}
+    if options.measure_time or None in prepared.batches or (saves and prepared.hw.overlap > 0):
         return math.inf
     best = 0.0
     for size, batch in prepared.batches.items():
