@@ -117,6 +117,66 @@ def test_flax_attention_is_split_by_heads_planned_with_zero3_and_trains_like_one
     np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
 
 
+class _MhaStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            x = _MhaBlock()(x)
+        return x
+
+
+def _mha_stack(seq=32, d=64):
+    model = _MhaStack()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, seq, d)), jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    return params, lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - 0.5 * b["x"]) ** 2), {"x": x}
+
+
+@pytest.mark.slow
+def test_sequence_parallelism_lowers_xlas_peak_and_trains_like_one_device():
+    """``sequence=True``: each row layer's (batch, sequence, d) output split on its sequence over
+    the model axis, so the residual stream and the LayerNorms between the pairs are split too:
+    XLA's peak of the step is lower than with the outputs whole, and it trains like one device."""
+    mesh = _mesh()
+    params, loss_fn, batch = _mha_stack()
+    tensor = osdp_jax.tensor_roles(loss_fn, params, batch, size=4)
+    opt = optax.sgd(0.1)
+    layouts = [osdp_jax.Layout.from_specs(params, mesh, {}, axis="data", tensor=tensor, sequence=s)
+               for s in (False, True)]
+    peaks = [osdp_jax.compile_step(loss_fn, opt, params, batch, mesh, lay).memory_analysis().temp_size_in_bytes
+             for lay in layouts]
+    assert peaks[1] < peaks[0]
+    losses, _ = _train(loss_fn, params, batch, mesh, layouts[1], opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
+def test_sequence_parallelism_without_tensor_roles_or_of_an_unknown_kind_is_one_clear_error():
+    mesh = _mesh()
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(512,), d=128, batch=8)
+    with pytest.raises(ValueError, match="sequence=True is sequence parallelism over the model axis"):
+        osdp_jax.Layout.from_specs(params, mesh, {}, axis="data", sequence=True)
+    with pytest.raises(ValueError, match="sequence must be True"):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, tensor={}, sequence="yes")
+
+
+@pytest.mark.slow
+def test_sequence_auto_takes_sequence_parallelism_where_only_it_fits_and_predicts_its_peak():
+    """At a budget between the sequence-parallel and the plain tensor-parallel all-replicated
+    peaks, ``sequence="auto"`` plans both and takes the faster that fits; the plan with sequence
+    parallelism is predicted within 5% of XLA's peak, fits it, and trains like one device."""
+    mesh = _mesh()
+    params, loss_fn, batch = _mha_stack(seq=64, d=128)
+    opt = optax.sgd(0.1)
+    common = dict(loss_fn=loss_fn, batch=batch, optimizer=opt, units=(), tensor={}, strategies=("replicate",))
+    peaks = [osdp_jax.plan(params, mesh, budget="1GB", sequence=s, **common).xla_peak_bytes for s in (False, True)]
+    assert peaks[1] < peaks[0]
+    plan = osdp_jax.plan(params, mesh, budget=(peaks[0] + peaks[1]) // 2, sequence="auto", **common)
+    assert plan.sequence and plan.xla_peak_bytes <= plan.budget_bytes
+    assert abs(plan.predicted_peak_bytes / plan.xla_peak_bytes - 1) <= 0.05
+    losses, _ = _train(loss_fn, params, batch, mesh, plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_a_swiglu_stack_with_multi_head_projections_planned_with_its_pairs_trains_like_one_device():
     """The Llama-style stack (``osdp_jax.layers.Stack`` of RMSNorm, DenseGeneral q/k/v/o, SwiGLU):

@@ -153,6 +153,7 @@ class Layout:
     unit_remat: str = "full"  # what a unit saves for its backward pass (osdp_jax.units): a remat policy
     model_axis: str | None = None  # the mesh axis the "column"/"row" kernels are split over (tensor
     #                                parallelism, osdp_jax.core.tensor); None: no such axis
+    sequence: bool = False  # sequence parallelism: row layers' outputs split on their sequence over the model axis
 
     @property
     def layout(self) -> "Layout":  # a Layout is its own layout, as a Plan has one
@@ -212,7 +213,8 @@ class Layout:
     def from_specs(cls, params, mesh, specs, *, axis=None, in_loop=(), splits=None, two_stage=(),
                    dense=(), segments=None, remat: str = "full", stacks_per_step: bool = False,
                    units=None, unit_remat: str = "full", zero2=(), gather_dtype: str | None = None,
-                   accumulate=None, model_loop=(), tensor=None, model_axis: str | None = None) -> "Layout":
+                   accumulate=None, model_loop=(), tensor=None, model_axis: str | None = None,
+                   sequence: bool = False) -> "Layout":
         """A hand-written layout: ``specs`` maps paths (``"block0/w1"``) to storage
         ``PartitionSpec``s, or is a pytree of them shaped like the unboxed params; missing paths
         are replicated. ``in_loop``: layer-stacked paths the model runs with
@@ -241,7 +243,9 @@ class Layout:
         ``axis=``): a column kernel split on its output features, a heads kernel ``(D, H, hd)``
         on its heads, a row kernel on its input features (``osdp_jax.core.tensor``); a stack's
         parameter is split per layer, one of the model's own scan (``model_loop``) cannot take
-        one."""
+        one. ``sequence``: with ``tensor``, Megatron's sequence parallelism: each row layer's
+        ``(batch, sequence, ...)`` output split on its sequence over the model axis
+        (``core.tensor.output_spec``)."""
         axes = data_axes(mesh, axis)
         tensor = dict(tensor or {})
         model_axis = _model_axis(mesh, axes, model_axis, bool(tensor))
@@ -270,7 +274,10 @@ class Layout:
                        set(dense))
         params_ = [_tensor_layout(_param_layout(i, named, mesh, axes, remat, gather_dtype), i, tensor, mesh,
                                   model_axis) for i in infos]
-        return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat), model_axis)
+        if sequence and not tensor:
+            raise ValueError("sequence=True is sequence parallelism over the model axis of tensor parallelism: "
+                             "pass tensor= the column/row roles too (osdp_jax.tensor_roles)")
+        return cls(tuple(params_), axes, stacks_per_step, check_remat(unit_remat), model_axis, bool(sequence))
 
     @classmethod
     def ddp(cls, params, mesh, *, axis=None, in_loop=(), remat: str = "full") -> "Layout":

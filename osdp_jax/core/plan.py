@@ -14,8 +14,9 @@ from osdp_jax.core.stack import Segment
 from osdp_jax.core.strategies import GATHERED, sharded_dim
 from osdp_jax.core.tensor import storage_spec
 
-# 9 adds "mesh_shape", 8 "tensor" and "model_axis", 7 "model_loop", 6 "accumulate", 5 the zero2 strategy and
-# gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels; 1-7 are still read
+# 9 adds "mesh_shape" and "sequence", 8 "tensor" and "model_axis", 7 "model_loop", 6 "accumulate", 5 the
+# zero2 strategy and gather_dtype, 4 units ("unit", "unit_remat"), 3 layer segments, 2 dense kernels; 1-8 are
+# still read
 PLAN_FORMAT = 9
 READABLE_FORMATS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
@@ -141,6 +142,7 @@ class Plan:
     microbatches: int = 1  # the global batch runs as this many microbatches (gradient accumulation)
     model_axis: str | None = None  # the mesh axis the "column"/"row" parameters are split over (tensor parallelism)
     mesh_shape: tuple[tuple[str, int], ...] = ()  # (axis, devices) of the mesh it was made for; make_mesh builds it
+    sequence: bool = False  # sequence parallelism over model_axis: row layers' outputs split on their sequence
     treedef: object = dataclasses.field(default=None, compare=False, repr=False)
 
     # --- the mesh ------------------------------------------------------------------------------
@@ -205,7 +207,7 @@ class Plan:
                                         pp.dense, pp.layer_segments(), pp.unit, pp.gather_dtype,
                                         pp.accumulate, pp.model_loop, pp.tensor)
                             for pp in self.params),
-                      tuple(self.axes), unit_remat=self.unit_remat, model_axis=self.model_axis)
+                      tuple(self.axes), unit_remat=self.unit_remat, model_axis=self.model_axis, sequence=self.sequence)
 
     @property
     def segments(self) -> dict[str, list[tuple]]:
@@ -306,8 +308,9 @@ class Plan:
             (f"mesh {' x '.join(f'{a} {n}' for a, n in self.mesh_shape)} (osdp_jax.Plan.make_mesh builds it); "
              if self.mesh_shape else "")
             + f"data-parallel axes {self.axes} ({self.num_devices} devices)"
-            + (f", model axis {self.model_axis!r} ({len(self.tensor)} parameters split over it)"
-               if self.model_axis else "") + f", hardware {self.hardware}",
+            + (f", model axis {self.model_axis!r} ({len(self.tensor)} parameters split over it"
+               + (", sequence-parallel)" if self.sequence else ")") if self.model_axis else "")
+            + f", hardware {self.hardware}",
             f"parameters: {format_bytes(total)} total; strategies: {self.counts()}; "
             f"split kernels: {len(self.splits_by_path)}",
             f"batch size: {self.batch_size if self.batch_size is not None else '-'}"

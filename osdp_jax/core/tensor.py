@@ -69,14 +69,20 @@ def manual_spec(spec: P, model_axis: str | None) -> P:
     return P(*(None if entry == model_axis else entry for entry in spec))
 
 
-def output_spec(ndim: int, role: str, model_axis: str) -> P:
+def output_spec(ndim: int, role: str, model_axis: str, sequence: bool = False) -> P:
     """The sharding a dense layer's output of ``ndim`` dimensions keeps over the model axis: a
     column layer's split on its features, a heads layer's on its heads (``(..., H, hd)``), a row
-    layer's whole (the partial products summed)."""
+    layer's whole (the partial products summed); with ``sequence`` (Megatron's sequence
+    parallelism), a row layer's ``(batch, sequence, ...)`` output split on its sequence (the
+    partial products reduce-scattered there, and gathered again where a column layer reads them),
+    so the work between a row layer and the next column layer (residual adds, LayerNorm) and what
+    it saves for the backward pass are split too."""
     if role == "column":
         return P(*([None] * (ndim - 1)), model_axis)
     if role == "heads":
         return P(*([None] * (ndim - 2)), model_axis, None)
+    if sequence and ndim >= 3:
+        return P(None, model_axis, *([None] * (ndim - 2)))
     return P()
 
 

@@ -112,6 +112,8 @@ class PlanOptions:
     #                        calls show, osdp_jax.tensor_roles, and the faster of that plan and the plan with
     #                        every mesh axis data-parallel); {pattern: "column" | "row"} (those pairs as well)
     model_axis: str = "model"  # the mesh axis tensor parallelism splits over
+    sequence: object = False  # with tensor=: Megatron's sequence parallelism, row layers' outputs split on their
+    #                           sequence over the model axis (True); "auto": planned with and without, the faster
     model_sizes: object = None  # with tensor=: the model-axis sizes to plan, the devices of the model axis and its
     #                             neighbouring data axis shared anew (1: every axis data-parallel); "auto": every
     #                             size that divides them; None: the mesh's own (and 1 with tensor="auto")
@@ -270,7 +272,8 @@ def _prepare(params, mesh, plan_options: PlanOptions) -> _Prepared:
     problem = build_problem(params, mesh, axes, strategies, splits, plan_options.loss_fn,
                             None if plan_options.batch is None else batches[min(batches)], plan_options.units,
                             plan_options.unit_remat, check_dtype(plan_options.compute_dtype),
-                            dict(roles.roles) if roles else None, roles.model_axis if roles else None)
+                            dict(roles.roles) if roles else None, roles.model_axis if roles else None,
+                            roles.sequence if roles else False)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     check_optimizer(optimizer, abstract)
     problem = _step_splits_worth_probing(problem, budget)
@@ -283,6 +286,7 @@ class TensorRoles:
 
     roles: tuple[tuple[str, str], ...]
     model_axis: str
+    sequence: bool = False
 
 
 def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
@@ -337,9 +341,20 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
         if roles:
             log.info("tensor parallelism over %r (%d devices): %d parameters split (%s)", model, t, len(roles),
                      ", ".join(sorted(roles)[:3]) + (" ..." if len(roles) > 3 else ""))
-            out.append((_reshaped(mesh, model, plan_options.axis, t),
-                        dataclasses.replace(plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model))))
+            out += [(_reshaped(mesh, model, plan_options.axis, t), dataclasses.replace(
+                plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model, sequence)))
+                for sequence in _sequence_choices(plan_options.sequence)]
     return out if any(o.tensor is not None for _, o in out) else []
+
+
+def _sequence_choices(sequence) -> tuple[bool, ...]:
+    """``PlanOptions.sequence`` checked: the sequence-parallel choices to plan."""
+    if sequence == "auto":
+        return (False, True)
+    if not isinstance(sequence, bool):
+        raise ValueError(f"sequence must be True (sequence parallelism with tensor=), False or 'auto' (planned "
+                         f"with and without), got {sequence!r}")
+    return (sequence,)
 
 
 def _model_sizes(model_sizes, tensor, mesh, model: str, axes: tuple) -> tuple[int, ...]:
@@ -390,7 +405,7 @@ def _fastest_configuration(params, configurations, plan_options: PlanOptions) ->
     for bound, mesh, options in bounded:
         if drafts and bound <= max(speed(d)[0] for d, _, _ in drafts):
             log.info("%s: at most %.1f samples/s by the time model, not planned",
-                     _configuration_name(options.tensor is not None, dict(mesh.shape)), bound)
+                     _configuration_name(options.tensor, dict(mesh.shape)), bound)
             continue
         try:
             drafts.append((plan(params, mesh, dataclasses.replace(options, verify=False) if verify else options),
@@ -398,7 +413,7 @@ def _fastest_configuration(params, configurations, plan_options: PlanOptions) ->
         except InfeasibleBudgetError as e:
             errors.append(e)
             continue
-        log.info("%s: predicted %.1f samples/s%s", _configuration_name(options.tensor is not None, dict(mesh.shape)),
+        log.info("%s: predicted %.1f samples/s%s", _configuration_name(options.tensor, dict(mesh.shape)),
                  drafts[-1][0].predicted_samples_per_second or 0.0, " before verification" if verify else "")
     best = None
     for draft, mesh, options in sorted(drafts, key=lambda d: speed(d[0]), reverse=True):
@@ -414,15 +429,17 @@ def _fastest_configuration(params, configurations, plan_options: PlanOptions) ->
         raise min(errors, key=lambda e: e.min_bytes)
     if len(bounded) > 1:
         log.info("planned %s: predicted %.1f samples/s",
-                 _configuration_name(best.model_axis is not None, dict(best.mesh_shape)),
+                 _configuration_name(best if best.model_axis else None, dict(best.mesh_shape)),
                  best.predicted_samples_per_second or 0.0)
     return best
 
 
-def _configuration_name(tensor: bool, shape: dict) -> str:
-    """E.g. ``"mesh data 2 x model 4, tensor-parallel"``."""
-    return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + (
-        ", tensor-parallel" if tensor else ", every axis data-parallel")
+def _configuration_name(tensor, shape: dict) -> str:
+    """E.g. ``"mesh data 2 x model 4, tensor-parallel"`` (``tensor``: a ``TensorRoles``, a plan
+    with a model axis, or None)."""
+    kind = ", every axis data-parallel" if tensor is None else (
+        ", tensor- and sequence-parallel" if tensor.sequence else ", tensor-parallel")
+    return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + kind
 
 
 def _checked(plan_options: PlanOptions, strategies: tuple, axes: tuple) -> PlanOptions:
@@ -865,14 +882,20 @@ def _with_tensor_seconds(tables, problem: Problem, size: int, hw):
     """``tables`` with each row kernel's model-axis collectives added to its every choice: its
     layer's output all-reduced forward and its column layers' input gradient backward, two
     all-reduces of ``problem.tensor_bytes`` per sample times the samples per data-parallel group
-    over the model axis's t devices, ``2 (a + 2 (t-1)/t V / W)`` seconds."""
+    over the model axis's t devices, ``2 (a + 2 (t-1)/t V / W)`` seconds. With sequence
+    parallelism, the output split on its sequence is all-gathered again where a column layer
+    reads it, forward and backward, as XLA:CPU compiles it (the all-reduce kept, then sliced):
+    ``2 (a + (t-1)/t V / W)`` seconds more."""
     if not problem.tensor_bytes or size is None:
         return tables
     time = tables.time.copy()
     for i, info in enumerate(problem.infos):
         per_sample = problem.tensor_bytes.get(info.path)
         if per_sample:
-            seconds = 2 * hw.all_reduce(per_sample * size / problem.n, problem.model_size)
+            moved = per_sample * size / problem.n
+            seconds = 2 * hw.all_reduce(moved, problem.model_size)
+            if problem.sequence:
+                seconds += 2 * hw.all_gather(moved, problem.model_size)
             time[i] = np.where(np.isfinite(time[i]), time[i] + seconds, time[i])
     return dataclasses.replace(tables, time=time)
 
@@ -1181,7 +1204,7 @@ def _build(problem: Problem, candidate, budget, hw, search_seconds, treedef, xla
                 predicted_samples_per_second=sps, xla_peak_bytes=xla_peak, hardware=hw.name,
                 search_seconds=search_seconds, planning_seconds=timing[0], compiles=timing[1],
                 compile_seconds=timing[2], treedef=treedef, unit_remat=problem.unit_remat, pool_overlap=overlap,
-                unit_scale=unit_scale, model_axis=problem.model_axis)
+                unit_scale=unit_scale, model_axis=problem.model_axis, sequence=problem.sequence)
 
 
 def _infeasible_message(budget, min_needed, strategies, axes) -> str:

@@ -59,6 +59,7 @@ class Problem:
     model_size: int = 1  # devices on model_axis
     tensor_bytes: dict = dataclasses.field(default_factory=dict)  # row kernel path -> bytes of its output per
     #                                                                 global sample (all-reduced over model_axis)
+    sequence: bool = False  # sequence parallelism: row layers' outputs split on their sequence (core.tensor)
     data_dims: dict = dataclasses.field(default_factory=dict)  # path -> the dimension a data-parallel shard
     #                                                              takes where the devices divide it (logical names)
 
@@ -210,7 +211,8 @@ class Problem:
                                       i.path in self.dense, segs, unit,
                                       self.compute_dtype if strategy == "zero3" else "",
                                       model_loop=i.path in self.model_loop, tensor=self.tensor.get(i.path, "")))
-        return Layout(tuple(params), self.axes, unit_remat=self.unit_remat, model_axis=self.model_axis)
+        return Layout(tuple(params), self.axes, unit_remat=self.unit_remat, model_axis=self.model_axis,
+                      sequence=self.sequence)
 
 
 TENSOR_WITH = ("replicate", "zero3")  # the data-parallel strategies a parameter split over the model axis takes
@@ -296,7 +298,7 @@ def _split_counts(problem: Problem, info: ParamInfo, strategy: str, splittable, 
 
 def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=None, units=None,
                   unit_remat: str = "full", compute_dtype: str = "", tensor=None,
-                  model_axis: str | None = None) -> Problem:
+                  model_axis: str | None = None, sequence: bool = False) -> Problem:
     """The problem for ``params`` on ``mesh``'s data-parallel ``axes``; with ``loss_fn`` and an
     (abstract) ``batch``, the loss is traced once to find per-layer parameters, dense kernels and
     units (``units``: patterns of the units to use, None: the default policy, ``()``: none; see
@@ -347,7 +349,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
                       model_size=mesh.shape[model_axis] if tensor else 1,
                       tensor_bytes=_tensor_bytes(tensor, infos, found if loss_fn is not None else None, batch,
                                                  in_loop),
-                      data_dims=_data_dims(params, infos, tensor, in_loop))
+                      data_dims=_data_dims(params, infos, tensor, in_loop), sequence=bool(sequence and tensor))
     ks = {(i.path, s): _split_counts(problem, i, s, splittable, splits) for i in infos for s in sharded}
     if 1 not in splits:  # a kernel that must split is gathered slice by slice, never whole with a unit
         must_split = {path for (path, _), counts in ks.items() if counts}

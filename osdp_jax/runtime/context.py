@@ -136,6 +136,7 @@ class StepContext:
     loop_used: set = dataclasses.field(default_factory=set)
     tensor: dict = dataclasses.field(default_factory=dict)  # path -> "column"/"row" (core.tensor)
     model_axis: str | None = None  # the mesh axis those kernels are split over
+    sequence: bool = False  # row layers' outputs split on their sequence (core.tensor.output_spec)
     tensor_ids: dict = dataclasses.field(default_factory=dict)  # id(what the model gets) -> (it, role)
 
     def wrap(self, array, path: str):
@@ -168,7 +169,7 @@ class StepContext:
         hit = self.tensor_ids.get(id(kernel))
         if hit is None or hit[0] is not kernel:
             return y
-        return jax.lax.with_sharding_constraint(y, output_spec(y.ndim, hit[1], self.model_axis))
+        return jax.lax.with_sharding_constraint(y, output_spec(y.ndim, hit[1], self.model_axis, self.sequence))
 
     def lookup(self, array) -> str | None:
         """The path of an array recorded during discovery, or None."""

@@ -126,7 +126,8 @@ def model_view(loss_fn, param_specs, gathering: "_Gathering", lookups: bool = Tr
 
     def run(p, *args, **kwargs):
         ctx = StepContext(split_specs, per_step=gathering.per_step, units=gathering.units,
-                          unit_remat=gathering.unit_remat, tensor=gathering.tensor, model_axis=gathering.model_axis)
+                          unit_remat=gathering.unit_remat, tensor=gathering.tensor, model_axis=gathering.model_axis,
+                          sequence=gathering.sequence)
         with active(ctx):
             used = strip_boxes(jax.tree_util.tree_map_with_path(gather_here, p, param_specs, is_leaf=is_segmented))
         for path, x in jax.tree_util.tree_flatten_with_path(used, is_leaf=lambda v: isinstance(v, StackView))[0]:
@@ -357,6 +358,7 @@ class _Gathering(NamedTuple):
     loops: dict = {}  # path -> SegmentRuns: stacked, sliced per iteration by the model's own scans
     tensor: dict = {}  # path -> "column"/"row": split over the model axis (core.tensor)
     model_axis: str | None = None
+    sequence: bool = False  # row layers' outputs split on their sequence (core.tensor.output_spec)
 
     def inside_microbatches(self) -> "_Gathering":
         """The gathering of the microbatch loop's body: the kept weights arrive gathered."""
@@ -420,7 +422,8 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
         [f"{pl.path}/{j}" for j in range(len(pl.segments))] + [pl.path] if pl.in_loop else
         [pl.path] if pl.strategy == "zero2" and accumulation("zero2", pl.accumulate) == "whole" else []))
     return _Gathering(how, stacks, {p: shapes[p] for p in (*stacks, *loops)}, split_specs, per_step, units,
-                      layout.unit_remat, kept, zero2_whole, loops, layout.tensor, layout.model_axis)
+                      layout.unit_remat, kept, zero2_whole, loops, layout.tensor, layout.model_axis,
+                      layout.sequence)
 
 
 def extra_args(extra: tuple, options: StepOptions, head: str) -> tuple:
