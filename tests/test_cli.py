@@ -165,16 +165,16 @@ def test_compare_mini(tmp_path):
 @pytest.mark.slow
 def test_compare_mini_with_tensor_parallelism_adds_its_row(tmp_path):
     """plan.tensor = "on" on a 2 (data) x 4 (model) mesh: compare adds OSDP+TP, planned with the
-    MLP pairs split over the model axis (nothing trained: that the plans train like one device is
-    ``tests/test_tensor.py``'s)."""
+    MLP pairs split over the model axis, and with plan.sequence = "on" sequence-parallel (nothing
+    trained: that the plans train like one device is ``tests/test_tensor.py``'s)."""
     out = tmp_path / "cmp"
     assert cli.main(["compare", "experiments/gpt2_mini.toml", "--out", str(out), "--measure-steps", "0",
                      "--plan.batch_sizes=32", "--mesh.shape=2,4", "--mesh.axes=data,model",
-                     "--plan.tensor=on"]) == 0
+                     "--plan.tensor=on", "--plan.sequence=on"]) == 0
     rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
     assert list(rows) == ["DDP", "FSDP", "HSDP", "OSDP", "OSDP+TP"]
     tp = rows["OSDP+TP"]
-    assert tp["fits"] and tp["model_axis"] == "model" and tp["tensor"] > 0
+    assert tp["fits"] and tp["model_axis"] == "model" and tp["tensor"] > 0 and tp["sequence"] is True
     assert tp["xla_peak_bytes"] <= osdp_jax.parse_bytes("3MiB")  # the config's budget
     assert rows["OSDP"]["tensor"] == 0 and "split over 'model'" in (out / "comparison.md").read_text()
 

@@ -52,6 +52,7 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\nsegment_gain = -0.01\n',
      r"plan\.segment_gain: segment_gain must be a number >= 0"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\ntensor = "auto"\n', r"plan\.tensor: must be 'off' or 'on'"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nsequence = "yes"\n', r"plan\.sequence: must be 'off', 'on' or 'auto'"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\ntensor = "on"\n', r"plan\.model_axis: tensor = 'on' needs a mesh"),
 ])
 def test_bad_configs(tmp_path, text, match):

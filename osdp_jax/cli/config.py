@@ -56,6 +56,7 @@ class PlanConfig:
     hardware: str = ""  # a preset name (osdp_jax.PRESETS) or a profile .json; empty: the mesh's default
     tensor: str = "off"  # "on": compare also adds OSDP+TP, the model's column/row pairs split over model_axis
     model_axis: str = "model"  # the mesh axis tensor parallelism splits over (with tensor = "on")
+    sequence: str = "off"  # with tensor = "on": "on" sequence parallelism in the OSDP+TP row; "auto" with and without
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
     probe_store: bool = True  # also keep the planner's probe figures in compilation_cache/probes
 
@@ -119,6 +120,8 @@ def _check(cfg: ExperimentConfig):
         _fail("mesh.axes", f"names must be distinct, got {list(cfg.mesh.axes)}")
     if cfg.plan.tensor not in ("off", "on"):
         _fail("plan.tensor", f"must be 'off' or 'on', got {cfg.plan.tensor!r}")
+    if cfg.plan.sequence not in ("off", "on", "auto"):
+        _fail("plan.sequence", f"must be 'off', 'on' or 'auto', got {cfg.plan.sequence!r}")
     if cfg.plan.tensor == "on" and (cfg.plan.model_axis not in cfg.mesh.axes or len(cfg.mesh.axes) < 2):
         _fail("plan.model_axis", f"tensor = 'on' needs a mesh with the model axis {cfg.plan.model_axis!r} and a "
                                  f"data axis beside it, e.g. mesh.shape = [2, 4] and mesh.axes = ['data', "

@@ -140,7 +140,8 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         compute_dtype=p.compute_dtype or s.cfg.model.compute_dtype or None,
         # the config's microbatch counts for its own space; a method with its strategies fixed
         # (DDP, FSDP, ZeRO-2, OSDP as the original) runs the whole batch at once
-        microbatches=p.microbatches if strategies is None else (1,), tensor=tensor, model_axis=p.model_axis)
+        microbatches=p.microbatches if strategies is None else (1,), tensor=tensor, model_axis=p.model_axis,
+        sequence={"off": False, "on": True, "auto": "auto"}[p.sequence] if tensor is not None else False)
 
 
 def addition_accuracy(s: Setup, params) -> float:
@@ -588,7 +589,7 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
                    microbatches=plan.microbatches,
                    predicted_step_seconds=plan.predicted_step_seconds,
                    predicted_collective_seconds=plan.predicted_collective_seconds,
-                   tensor=len(plan.tensor), model_axis=plan.model_axis)
+                   tensor=len(plan.tensor), model_axis=plan.model_axis, sequence=plan.sequence)
         if trainable and measure_steps > 0:
             sub = dataclasses.replace(s, cfg=dataclasses.replace(
                 s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
