@@ -157,6 +157,8 @@ def test_sequence_parallelism_without_tensor_roles_or_of_an_unknown_kind_is_one_
         osdp_jax.Layout.from_specs(params, mesh, {}, axis="data", sequence=True)
     with pytest.raises(ValueError, match="sequence must be True"):
         osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, tensor={}, sequence="yes")
+    with pytest.raises(ValueError, match="sequence parallelism splits row layers' outputs .* pass tensor="):
+        osdp_jax.plan(params, mesh, budget="1GB", loss_fn=loss_fn, batch=batch, sequence=True)
 
 
 @pytest.mark.slow

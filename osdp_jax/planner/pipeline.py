@@ -201,6 +201,7 @@ def plan(params, mesh, options: PlanOptions | None = None, **kwargs) -> Plan:
     """
     start = time.perf_counter()
     plan_options = dataclasses.replace(options or PlanOptions(), **kwargs)
+    _check_sequence(plan_options)
     if isinstance(plan_options.budget, str) and plan_options.budget.strip().lower() == "least":
         return _least_memory_plan(params, mesh, plan_options)
     if plan_options.tensor is not None and not isinstance(plan_options.tensor, TensorRoles):
@@ -317,7 +318,7 @@ def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
     configurations = _configurations(params, mesh, plan_options)
     if not configurations:
         log.info("tensor parallelism: no column/row pair found in the model's dense calls; planned without")
-        return plan(params, mesh, dataclasses.replace(plan_options, tensor=None, axis=None))
+        return plan(params, mesh, dataclasses.replace(plan_options, tensor=None, axis=None, sequence=False))
     return _fastest_configuration(params, configurations, plan_options)
 
 
@@ -335,7 +336,7 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
     for t in _model_sizes(plan_options.model_sizes, tensor, mesh, model, plan_options.axis):
         if t == 1:
             if all(b % mesh.size == 0 for b in sizes):  # else only tensor parallelism can split it
-                out.append((mesh, dataclasses.replace(plan_options, tensor=None, axis=None)))
+                out.append((mesh, dataclasses.replace(plan_options, tensor=None, axis=None, sequence=False)))
             continue
         roles = tensor_roles(loss, params, batch, size=t, hint=tensor if isinstance(tensor, dict) else None)
         if roles:
@@ -343,18 +344,20 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
                      ", ".join(sorted(roles)[:3]) + (" ..." if len(roles) > 3 else ""))
             out += [(_reshaped(mesh, model, plan_options.axis, t), dataclasses.replace(
                 plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model, sequence)))
-                for sequence in _sequence_choices(plan_options.sequence)]
+                for sequence in ((False, True) if plan_options.sequence == "auto" else (plan_options.sequence,))]
     return out if any(o.tensor is not None for _, o in out) else []
 
 
-def _sequence_choices(sequence) -> tuple[bool, ...]:
-    """``PlanOptions.sequence`` checked: the sequence-parallel choices to plan."""
-    if sequence == "auto":
-        return (False, True)
-    if not isinstance(sequence, bool):
+def _check_sequence(plan_options: PlanOptions) -> None:
+    """One clear ``ValueError`` for a ``sequence`` option that cannot work: not True, False or
+    "auto", or sequence parallelism asked for without ``tensor=``."""
+    sequence = plan_options.sequence
+    if not (isinstance(sequence, bool) or sequence == "auto"):
         raise ValueError(f"sequence must be True (sequence parallelism with tensor=), False or 'auto' (planned "
                          f"with and without), got {sequence!r}")
-    return (sequence,)
+    if sequence and plan_options.tensor is None:
+        raise ValueError("sequence parallelism splits row layers' outputs over the model axis of tensor "
+                         "parallelism: pass tensor= too (e.g. tensor='auto'), or drop sequence=")
 
 
 def _model_sizes(model_sizes, tensor, mesh, model: str, axes: tuple) -> tuple[int, ...]:
