@@ -62,6 +62,12 @@ def storage_spec(spec: P, shape, role: str, model_axis: str | None, stacked: boo
     return P(*entries)
 
 
+def model_spec(shape, role: str, model_axis: str | None) -> P | None:
+    """How a (gathered) weight of ``shape`` with tensor ``role`` lies over the model axis alone:
+    its :func:`storage_spec` without data-parallel axes; None without a role."""
+    return storage_spec(P(), shape, role, model_axis) if role else None
+
+
 def manual_spec(spec: P, model_axis: str | None) -> P:
     """``spec`` without ``model_axis``: what a ``shard_map`` manual over the data axes only is given."""
     if not model_axis:

@@ -21,7 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from osdp_jax.core.layout import Collective
-from osdp_jax.core.tensor import output_spec, storage_spec
+from osdp_jax.core.tensor import model_spec, output_spec
 from osdp_jax.runtime.collectives import gather
 
 
@@ -149,7 +149,7 @@ class StepContext:
             self.param_shapes[path] = tuple(getattr(array, "shape", ()))
             return array
         role = self.tensor.get(path) if isinstance(array, jax.Array) else None  # a stack's: per layer (runtime.stack)
-        model = storage_spec(P(), array.shape, role, self.model_axis) if role else None
+        model = model_spec(array.shape, role, self.model_axis)
         if model is not None:
             array = jax.lax.with_sharding_constraint(array, model)
         entry = self.split.get(path)

@@ -41,7 +41,7 @@ from osdp_jax.core.layout import (
 from osdp_jax.core.simulated import warn_if_collectives_may_race
 from osdp_jax.core.stack import Segmented, is_segmented
 from osdp_jax.core.strategies import accumulation, axes_size, axis_entry, sharded_dim
-from osdp_jax.core.tensor import storage_spec
+from osdp_jax.core.tensor import model_spec
 from osdp_jax.runtime.collectives import device_index, gather
 from osdp_jax.runtime.context import SplitEntry, StepContext, active
 from osdp_jax.runtime.hooks import wrap_tree
@@ -189,9 +189,8 @@ class StepOptions:
 
 
 def _model_spec(gathering, name: str, w) -> P | None:
-    """How parameter ``name`` (local array ``w``) is split over the model axis, or None."""
-    role = gathering.tensor.get(name)
-    return storage_spec(P(), np.shape(w), role, gathering.model_axis) if role else None
+    """How parameter ``name`` (local array ``w``) lies over the model axis, or None."""
+    return model_spec(np.shape(w), gathering.tensor.get(name, ""), gathering.model_axis)
 
 
 def _scatter(g, state: P, axes):
@@ -402,7 +401,7 @@ def gathering_of(layout: Layout, mesh, params) -> _Gathering:
                                                   pl.two_stage, "full")
             for seg in segments:
                 c = collective(seg.spec, layout.axes, seg.two_stage, pl.gather_dtype, layout.model_axis)
-                model = storage_spec(P(), shapes[pl.path][1:], pl.tensor, layout.model_axis) if pl.tensor else None
+                model = model_spec(shapes[pl.path][1:], pl.tensor, layout.model_axis)
                 runs.append(SegmentRun(seg.start, seg.stop, sharded_dim(seg.spec), c, seg.split,
                                        axes_size(mesh, c.axes) if c else 1, seg.remat, pl.tensor, model))
             # sliced per iteration by the model's own scan (runtime.model_loops), or by layers.scan
