@@ -480,6 +480,44 @@ def test_the_planner_takes_tensor_parallelism_where_weights_dominate_and_predict
     assert "column-parallel" in tp.summary() and "model axis 'model'" in tp.summary()
 
 
+def _configurations(params, loss_fn, batch, **options):
+    """``plan(tensor="auto")``'s configurations on the 2x4 mesh: ``(mesh, options)`` each."""
+    from osdp_jax.planner import pipeline
+    options = pipeline.PlanOptions(loss_fn=loss_fn, batch=batch, optimizer=optax.sgd(0.1), tensor="auto",
+                                   axis=("data",), **options)
+    return pipeline._configurations(params, _mesh(), options)
+
+
+def test_each_pair_is_split_where_the_time_model_says_it_pays():
+    """A wide pair (d 256 -> 2048 -> 256: 4 MiB of kernels) and a narrow one (-> 64: 128 KiB) at
+    batch 16 on the 2x4 mesh: splitting the wide one saves more weight traffic than its two
+    activation all-reduces cost, the narrow one's does not; so ``tensor="auto"`` plans the
+    wide pair split alone, beside every axis data-parallel and all pairs split."""
+    from osdp_jax.planner import pipeline
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(2048, 64), d=256, batch=16)
+    configurations = _configurations(params, loss_fn, batch)
+    roles = [dict(o.tensor.roles) if o.tensor else None for _, o in configurations]
+    wide = {"Dense_0/kernel": "column", "Dense_1/kernel": "row"}
+    assert roles == [None, {**wide, "Dense_2/kernel": "column", "Dense_3/kernel": "row"}, wide]
+    assert configurations[2][1].tensor.pairs == "1 of 2 pairs"
+    mesh, options = configurations[1]
+    groups = [wide, {"Dense_2/kernel": "column", "Dense_3/kernel": "row"}]
+    assert pipeline.split_pays(pipeline._prepare(params, mesh, options), groups, 16) == [True, False]
+
+
+def test_a_pair_kept_whole_by_the_planner_trains_like_one_device():
+    """The plan of the wide-and-narrow model: the configuration with the narrow pair whole is
+    predicted fastest, and its plan (the wide pair split, the narrow one data-parallel only,
+    computed alike on the model axis) trains like one device."""
+    params, loss_fn, batch = foreign.uneven_mlp(widths=(2048, 64), d=256, batch=16)
+    opt = optax.sgd(0.1)
+    plan = osdp_jax.plan(params, _mesh(), budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=opt,
+                         tensor="auto", units=())
+    assert plan.tensor == {"Dense_0/kernel": "column", "Dense_1/kernel": "row"}
+    losses, _ = _train(loss_fn, params, batch, _mesh(), plan, opt)
+    np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
+
+
 @pytest.mark.slow  # the default suite trains batch 4 on 8 devices in the model_sizes test
 def test_a_batch_smaller_than_the_device_count_is_planned_with_tensor_parallelism_and_trains_like_one_device():
     mesh = _mesh()
@@ -619,9 +657,10 @@ def test_the_search_with_tensor_parallelism_is_exact_against_brute_force(widths,
     """Within the cost model: every search ``plan(tensor="auto")`` runs (each configuration's
     tables, at each batch size, under each limit) finds brute force's fastest choice over the
     parameters' strategies, at a budget between the least and the all-replicated peak; and the
-    plan is the faster of the tensor-parallel and all-data-parallel plans, whether the time
-    model's bound (``speed_bound``, above every plan of its configuration) plans both
-    (activations dominate) or rules the second out (weights do: 1 M-parameter pairs at batch 8)."""
+    plan is the fastest of its configurations' plans (the pairs split, some of them split, every
+    axis data-parallel), whether the time model's bound (``speed_bound``, above every plan of its
+    configuration) plans the last (activations dominate) or rules it out (weights do: 1
+    M-parameter pairs at batch 8)."""
     from osdp_jax.planner import pipeline
     mesh = _mesh()
     params, loss_fn, batch = foreign.uneven_mlp(widths=widths, d=d, batch=8)
@@ -651,10 +690,10 @@ def test_the_search_with_tensor_parallelism_is_exact_against_brute_force(widths,
             assert found[0] == pytest.approx(expected, rel=1e-12)
     monkeypatch.setattr(pipeline, "_search", search)
     each = []
-    for tensor in ({}, None):
+    options = pipeline.PlanOptions(budget=budget, tensor="auto", axis=("data",), **common)
+    for one_mesh, one in pipeline._configurations(params, mesh, options):  # every configuration, planned
         try:
-            one = osdp_jax.plan(params, mesh, budget=budget, tensor=tensor, **common)
-            each.append(one.predicted_samples_per_second)
+            each.append(osdp_jax.plan(params, one_mesh, one).predicted_samples_per_second)
         except osdp_jax.InfeasibleBudgetError:
             continue
     assert auto.predicted_samples_per_second == max(each)

@@ -61,7 +61,7 @@ from osdp_jax.planner.search import (
     lower_bound,
 )
 from osdp_jax.planner.segments import expand, expand_choices, param_columns, segments
-from osdp_jax.planner.tensor_pairs import tensor_roles
+from osdp_jax.planner.tensor_pairs import tensor_groups
 from osdp_jax.planner.unit_policy import unmarked_list
 from osdp_jax.planner.verify import Superseded, verify
 from osdp_jax.runtime.step import (
@@ -109,8 +109,9 @@ class PlanOptions:
     state: object = None  # mutable collections (arrays or ShapeDtypeStructs): loss_fn takes state= and
     #                       returns (loss, new_state), as make_train_step(state=True) takes it
     tensor: object = None  # tensor parallelism over model_axis: None (none); "auto" (the pairs the model's dense
-    #                        calls show, osdp_jax.tensor_roles, and the faster of that plan and the plan with
-    #                        every mesh axis data-parallel); {pattern: "column" | "row"} (those pairs as well)
+    #                        calls show, osdp_jax.tensor_roles, the fastest plan with them all split, with the
+    #                        pairs whose split pays by the time model split, or with every mesh axis
+    #                        data-parallel); {pattern: "column" | "row"} (those pairs as well, all split)
     model_axis: str = "model"  # the mesh axis tensor parallelism splits over
     sequence: object = False  # with tensor=: Megatron's sequence parallelism, row layers' outputs split on their
     #                           sequence over the model axis (True); "auto": planned with and without, the faster
@@ -288,6 +289,7 @@ class TensorRoles:
     roles: tuple[tuple[str, str], ...]
     model_axis: str
     sequence: bool = False
+    pairs: str = ""  # which of the pairs found are split, where not all: e.g. "3 of 6 pairs"
 
 
 def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
@@ -327,7 +329,9 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
     (:func:`_model_sizes`): t = 1 is ``mesh`` with every axis data-parallel (when every batch size
     divides over all its devices); t > 1 is ``mesh`` with the model axis t devices and its
     neighbouring data axis the rest (:func:`_reshaped`), with the pairs whose widths t divides
-    split over it (:func:`tensor_roles`; none found: no configuration)."""
+    split over it (:func:`tensor_groups`; none found: no configuration), and with
+    ``tensor="auto"`` also with only the pairs whose split the time model says pays
+    (:func:`_paying_pairs`), where that is some of them but not all."""
     model, tensor = plan_options.model_axis, plan_options.tensor
     loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
@@ -338,14 +342,69 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
             if all(b % mesh.size == 0 for b in sizes):  # else only tensor parallelism can split it
                 out.append((mesh, dataclasses.replace(plan_options, tensor=None, axis=None, sequence=False)))
             continue
-        roles = tensor_roles(loss, params, batch, size=t, hint=tensor if isinstance(tensor, dict) else None)
-        if roles:
-            log.info("tensor parallelism over %r (%d devices): %d parameters split (%s)", model, t, len(roles),
-                     ", ".join(sorted(roles)[:3]) + (" ..." if len(roles) > 3 else ""))
-            out += [(_reshaped(mesh, model, plan_options.axis, t), dataclasses.replace(
-                plan_options, tensor=TensorRoles(tuple(sorted(roles.items())), model, sequence)))
+        groups = tensor_groups(loss, params, batch, size=t, hint=tensor if isinstance(tensor, dict) else None)
+        if not groups:
+            continue
+        reshaped = _reshaped(mesh, model, plan_options.axis, t)
+        every = TensorRoles(tuple(sorted((p, r) for g in groups for p, r in g.items())), model)
+        log.info("tensor parallelism over %r (%d devices): %d pairs, %d parameters split (%s)", model, t,
+                 len(groups), len(every.roles), ", ".join(p for p, _ in every.roles[:3])
+                 + (" ..." if len(every.roles) > 3 else ""))
+        choices = [every]
+        if tensor == "auto":
+            choices += _paying_pairs(params, reshaped, dataclasses.replace(plan_options, tensor=every), groups)
+        out += [(reshaped, dataclasses.replace(plan_options, tensor=dataclasses.replace(roles, sequence=sequence)))
+                for roles in choices
                 for sequence in ((False, True) if plan_options.sequence == "auto" else (plan_options.sequence,))]
     return out if any(o.tensor is not None for _, o in out) else []
+
+
+def _paying_pairs(params, mesh, plan_options: PlanOptions, groups: list[dict]) -> list[TensorRoles]:
+    """The roles of the pairs whose split pays by the time model (:func:`split_pays`), one
+    ``TensorRoles`` per distinct choice over the global batch sizes, where that is some of the
+    pairs but not all."""
+    prepared = _prepare(params, mesh, plan_options)
+    choices = {}
+    for size in sorted(prepared.batches):
+        pays = split_pays(prepared, groups, size)
+        if any(pays) and not all(pays):
+            choices[tuple(pays)] = TensorRoles(
+                tuple(sorted((p, r) for g, paid in zip(groups, pays) if paid for p, r in g.items())),
+                plan_options.tensor.model_axis, pairs=f"{sum(pays)} of {len(pays)} pairs")
+    for pays, roles in choices.items():
+        log.info("tensor parallelism: the split pays for %s by the time model (%s)", roles.pairs,
+                 ", ".join(next(p for p, r in g.items() if r == "row") for g, paid in zip(groups, pays) if paid
+                           and "row" in g.values()))
+    return list(choices.values())
+
+
+def split_pays(prepared: _Prepared, groups: list[dict], size: int) -> list[bool]:
+    """Per pair of ``groups`` (``{path: role}``, all split in ``prepared``'s problem), whether
+    splitting it over the model axis lowers the time model's seconds per step at global batch
+    ``size``: its parameters' cheapest collectives over the data axes with their split
+    dimension 1/t, plus the model axis's all-reduces (:func:`_with_tensor_seconds`), against
+    their cheapest collectives whole plus the compute every device of the model axis then runs
+    of the whole pair, ``(1 - 1/t) 3 F b / (N flops)`` seconds (F: the pair's kernels' forward
+    FLOPs per sample, ``Problem.dense_flops``, three times that with the backward pass; b / N
+    samples per data-parallel group). The pair kept whole is data-parallel only, computed alike on the t devices."""
+    problem, hw = prepared.problem, prepared.hw
+    batch_bytes = _batch_bytes(prepared.batches[size])
+
+    def cheapest(infos):
+        return cost_tables(infos, problem.available, problem.columns, np.zeros(len(infos)), 0, problem.topo, hw,
+                           batch_bytes, None, problem.in_loop, frozenset(problem.units),
+                           gather_ratio=problem.gather_ratio())
+
+    split = _with_tensor_seconds(cheapest(problem.cost_infos()), problem, size, hw).time.min(axis=1)
+    whole = cheapest(list(problem.infos)).time.min(axis=1)
+    index = {info.path: k for k, info in enumerate(problem.infos)}
+    share = 3 * (1 - 1 / problem.model_size) * size / problem.n / hw.flops
+    pays = []
+    for group in groups:
+        members = [index[p] for p in group if p in index]
+        compute = share * sum(problem.dense_flops.get(p, 0.0) for p in group)
+        pays.append(bool(split[members].sum() < whole[members].sum() + compute))
+    return pays
 
 
 def _check_sequence(plan_options: PlanOptions) -> None:
@@ -440,8 +499,11 @@ def _fastest_configuration(params, configurations, plan_options: PlanOptions) ->
 def _configuration_name(tensor, shape: dict) -> str:
     """E.g. ``"mesh data 2 x model 4, tensor-parallel"`` (``tensor``: a ``TensorRoles``, a plan
     with a model axis, or None)."""
-    kind = ", every axis data-parallel" if tensor is None else (
-        ", tensor- and sequence-parallel" if tensor.sequence else ", tensor-parallel")
+    if tensor is None:
+        return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + ", every axis data-parallel"
+    pairs = getattr(tensor, "pairs", "")
+    kind = (", tensor- and sequence-parallel" if tensor.sequence else ", tensor-parallel") + (
+        f" ({pairs})" if pairs else "")
     return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + kind
 
 
@@ -905,25 +967,38 @@ def _with_tensor_seconds(tables, problem: Problem, size: int, hw):
 
 def speed_bound(prepared: _Prepared) -> float:
     """An upper bound on the samples/s of any plan of ``prepared``'s problem, from the time model
-    alone (no probe): a step takes at least its collectives' C seconds (``step_seconds``:
-    ``F + max(0, C - overlap F) >= C`` for overlap <= 1), each parameter's at least those of its
-    cheapest choice, plus the model axis's all-reduces (:func:`_with_tensor_seconds`); so at most
-    ``max_b b / C(b)`` samples/s over the global batch sizes b. inf without a batch, with timed
-    probes (they rescale the collectives), where no collective is left, and where a layer stack's
-    remat policy may save compute on hardware that overlaps (a saving counts among the items
-    there, so the items may total less than the collectives)."""
-    problem, options = prepared.problem, prepared.plan_options
+    alone (no probe). A step takes ``F + max(0, C - overlap F)`` (``step_seconds``), which grows
+    with F (overlap <= 1) and with C: at least that at ``F >= F0``, the FLOPs every plan computes
+    (:func:`compute_floor`), and ``C >=`` the collectives of each parameter's cheapest choice plus
+    the model axis's all-reduces (:func:`_with_tensor_seconds`); so at most ``max_b b / T(b)``
+    samples/s over the global batch sizes b. inf without a batch, with timed probes (they
+    rescale the collectives and the compute), where the step's time is 0, and where a layer
+    stack's remat policy may save compute on hardware that overlaps (a saving counts among the
+    items there, so the items may total less than the collectives)."""
+    problem, options, hw = prepared.problem, prepared.plan_options, prepared.hw
     saves = problem.stacks and set(prepared.policies) - {"full"}
-    if options.measure_time or None in prepared.batches or (saves and prepared.hw.overlap > 0):
+    if options.measure_time or None in prepared.batches or (saves and hw.overlap > 0):
         return math.inf
     best = 0.0
     for size, batch in prepared.batches.items():
         tables = cost_tables(problem.cost_infos(), problem.available, problem.columns,
-                             np.zeros(len(problem.infos)), 0, problem.topo, prepared.hw, _batch_bytes(batch), None,
+                             np.zeros(len(problem.infos)), 0, problem.topo, hw, _batch_bytes(batch), None,
                              problem.in_loop, frozenset(problem.units), gather_ratio=problem.gather_ratio())
-        seconds = _with_tensor_seconds(tables, problem, size, prepared.hw).time.min(axis=1).sum()
+        comm = _with_tensor_seconds(tables, problem, size, hw).time.min(axis=1).sum()
+        seconds = step_seconds(compute_floor(problem, size) / hw.flops, comm, hw.overlap)
         best = max(best, size / seconds if seconds > 0 else math.inf)
     return best
+
+
+def compute_floor(problem: Problem, size: int) -> float:
+    """The FLOPs per device a step at global batch ``size`` computes in any plan of ``problem``,
+    at least: each dense layer's forward pass and its kernel's gradient, ``2 x 2 T K`` per sample
+    (``Problem.dense_flops``; its input's gradient is not counted, which the first layer does not
+    need), for the ``size / N`` samples of a data-parallel group, a kernel split over the model
+    axis 1/t of it."""
+    share = problem.model_share()
+    return sum(2 * problem.dense_flops.get(info.path, 0.0) * share[i] for i, info in enumerate(problem.infos)) \
+        * size / problem.n
 
 
 def _step_splits_worth_probing(problem: Problem, budget: int) -> Problem:

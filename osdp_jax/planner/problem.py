@@ -59,6 +59,8 @@ class Problem:
     model_size: int = 1  # devices on model_axis
     tensor_bytes: dict = dataclasses.field(default_factory=dict)  # row kernel path -> bytes of its output per
     #                                                                 global sample (all-reduced over model_axis)
+    dense_flops: dict = dataclasses.field(default_factory=dict)  # kernel path -> its dense layer's forward FLOPs
+    #                                                                 per global sample (_dense_flops)
     sequence: bool = False  # sequence parallelism: row layers' outputs split on their sequence (core.tensor)
     data_dims: dict = dataclasses.field(default_factory=dict)  # path -> the dimension a data-parallel shard
     #                                                              takes where the devices divide it (logical names)
@@ -239,6 +241,26 @@ def _tensor_bytes(tensor: dict, infos, found, batch, in_loop) -> dict[str, float
     return out
 
 
+def _dense_flops(infos, found, batch, in_loop) -> dict[str, float]:
+    """Kernel path -> its dense layer's forward FLOPs per global sample, ``2 T K``, for every
+    kernel whose layer's input the trace recorded (first call): ``T`` rows of input per sample
+    (every layer's, in a stack), ``K`` kernel entries per layer. The input's trailing dimensions
+    that match the kernel's leading ones are the contracted ones (at least one, never all)."""
+    if found is None:
+        return {}
+    size = int(jax.tree.leaves(batch)[0].shape[0])
+    out = {}
+    for info in infos:
+        shape = found.dense_inputs.get(info.path)
+        kernel = info.shape[1:] if info.path in in_loop else info.shape
+        if not shape or len(kernel) < 2:
+            continue
+        contracted = max(c for c in range(1, len(kernel)) if c == 1 or tuple(shape[-c:]) == kernel[:c])
+        layers = info.shape[0] if info.path in in_loop else 1
+        out[info.path] = 2.0 * layers * float(np.prod(shape[:-contracted])) / size * float(np.prod(kernel))
+    return out
+
+
 def _data_dims(params, infos, tensor: dict, in_loop) -> dict[str, int]:
     """For parameters annotated with logical axis names: path -> the dimension carrying the name
     the most parameter bytes carry (the model axis's split dimensions and a stack's layer axis
@@ -347,6 +369,7 @@ def build_problem(params, mesh, axes, strategies, splits, loss_fn=None, batch=No
                       last_unit=last_unit, unit_saved=saved, compute_dtype=compute_dtype, fingerprint=fingerprint,
                       model_loop=model_loop, tensor=tensor, model_axis=model_axis if tensor else None,
                       model_size=mesh.shape[model_axis] if tensor else 1,
+                      dense_flops=_dense_flops(infos, found if loss_fn is not None else None, batch, in_loop),
                       tensor_bytes=_tensor_bytes(tensor, infos, found if loss_fn is not None else None, batch,
                                                  in_loop),
                       data_dims=_data_dims(params, infos, tensor, in_loop), sequence=bool(sequence and tensor))

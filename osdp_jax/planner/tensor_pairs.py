@@ -68,6 +68,40 @@ def _bias(kernel_path: str, paths) -> str | None:
     return bias if bias in paths else None
 
 
+def tensor_groups(loss_fn, params, batch, *, size: int = 1, hint=None) -> list[dict[str, str]]:
+    """The pairs :func:`tensor_roles` splits, one ``{path: role}`` per pair (its column and row
+    kernels and the columns' biases), in the order the model calls them; the kernels ``hint``
+    names form one more, last (arguments as for :func:`tensor_roles`). The planner chooses per
+    pair whether to split it (``plan(tensor="auto")``)."""
+    infos = {i.path: i.shape for i in describe(params)}
+    found = find(loss_fn, params, batch)
+    # a layer stack's kernels (osdp_jax.layers.scan) pair per layer; a model's own scan's do not
+    layer = {p: s[1:] if p in found.in_loop else s for p, s in infos.items() if p not in found.model_loop}
+    groups = []
+    for columns, row in find_pairs([p for p in found.dense_order if p in layer], layer):
+        if layer[row][0] % size == 0:
+            kind = "heads" if len(layer[row]) == 3 else "column"
+            groups.append({**{c: kind for c in columns}, row: "row"})
+    hinted: dict[str, str] = {}
+    for pattern, role in (hint or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"tensor hint {pattern!r}: role must be one of {list(ROLES)}, got {role!r}")
+        matched = [p for p in infos if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            raise ValueError(f"tensor hint {pattern!r} matches no parameter; paths look like "
+                             f"{sorted(infos)[:3]}")
+        hinted.update({p: role for p in matched})
+    groups = [kept for kept in ({p: r for p, r in g.items() if p not in hinted} for g in groups) if kept]
+    groups += [hinted] if hinted else []
+    taken = {p for g in groups for p in g}
+    for group in groups:
+        for path, role in list(group.items()):
+            bias = _bias(path, infos)
+            if role in ("column", "heads") and bias is not None and bias not in taken:
+                group[bias] = role
+    return groups
+
+
 def tensor_roles(loss_fn, params, batch, *, size: int = 1, hint=None) -> dict[str, str]:
     """Path -> ``"column"``/``"row"`` for the pairs :func:`find_pairs` finds in ``loss_fn``'s dense
     calls (traced once, abstractly; ``params`` and ``batch`` may be ``ShapeDtypeStruct``s), each
@@ -80,26 +114,5 @@ def tensor_roles(loss_fn, params, batch, *, size: int = 1, hint=None) -> dict[st
         ``{"*/attn/[qkv]/kernel": "column", "*/attn/o/kernel": "row"}``), which take the place of
         the found pairs for the kernels they match.
     """
-    infos = {i.path: i.shape for i in describe(params)}
-    found = find(loss_fn, params, batch)
-    # a layer stack's kernels (osdp_jax.layers.scan) pair per layer; a model's own scan's do not
-    layer = {p: s[1:] if p in found.in_loop else s for p, s in infos.items() if p not in found.model_loop}
-    roles: dict[str, str] = {}
-    for columns, row in find_pairs([p for p in found.dense_order if p in layer], layer):
-        if layer[row][0] % size == 0:
-            kind = "heads" if len(layer[row]) == 3 else "column"
-            roles.update({c: kind for c in columns}, **{row: "row"})
-    for pattern, role in (hint or {}).items():
-        if role not in ROLES:
-            raise ValueError(f"tensor hint {pattern!r}: role must be one of {list(ROLES)}, got {role!r}")
-        matched = [p for p in infos if fnmatch.fnmatchcase(p, pattern)]
-        if not matched:
-            raise ValueError(f"tensor hint {pattern!r} matches no parameter; paths look like "
-                             f"{sorted(infos)[:3]}")
-        roles.update({p: role for p in matched})
-    biases = {}
-    for path, role in roles.items():
-        bias = _bias(path, infos)
-        if role in ("column", "heads") and bias is not None and bias not in roles:
-            biases[bias] = role
-    return {**roles, **biases}
+    return {path: role for group in tensor_groups(loss_fn, params, batch, size=size, hint=hint)
+            for path, role in group.items()}
