@@ -505,6 +505,28 @@ def test_each_pair_is_split_where_the_time_model_says_it_pays():
     assert pipeline.split_pays(pipeline._prepare(params, mesh, options), groups, 16) == [True, False]
 
 
+@pytest.mark.parametrize("model", ["einsum_lm", "swiglu_lm"])
+def test_the_bounds_compute_is_at_most_the_time_models_compute_of_a_plan(model):
+    """The compute floor of the configurations' bound (``speed_bound``): the step's matmul FLOPs
+    on one device with no remat (the gradient's, less what ``jax.checkpoint`` may compute again),
+    spread over the 8 devices, is at most the compute the time model gives the plan (XLA's FLOPs
+    of its probes), and counts more than the dense layers alone: an einsum LM with a tied
+    embedding (no dense layer at all) and a SwiGLU ``layers.Stack`` run under remat "full" by
+    default."""
+    from osdp_jax.planner import pipeline
+    params, loss_fn, batch = {"einsum_lm": lambda: foreign.einsum_lm(layers=2),
+                              "swiglu_lm": lambda: foreign.swiglu_lm(layers=2, vocab=256, batch=16)}[model]()
+    mesh = jax.make_mesh((8,), ("data",))
+    options = pipeline.PlanOptions(budget="1GB", loss_fn=loss_fn, batch=batch, optimizer=optax.sgd(0.1),
+                                   verify=False, units=())
+    prepared = pipeline._prepare(params, mesh, options)
+    plan = osdp_jax.plan(params, mesh, options)
+    size = plan.batch_size
+    floor = pipeline.step_matmul_flops(prepared, params) * size / 8 / prepared.hw.flops
+    compute = plan.predicted_step_seconds - plan.predicted_collective_seconds
+    assert pipeline.compute_floor(prepared.problem, size) / prepared.hw.flops < floor <= compute
+
+
 def test_a_pair_kept_whole_by_the_planner_trains_like_one_device():
     """The plan of the wide-and-narrow model: the configuration with the narrow pair whole is
     predicted fastest, and its plan (the wide pair split, the narrow one data-parallel only,
@@ -698,6 +720,7 @@ def test_the_search_with_tensor_parallelism_is_exact_against_brute_force(widths,
             continue
     assert auto.predicted_samples_per_second == max(each)
     everything = osdp_jax.plan(params, mesh, budget="1GB", **common)  # every axis data-parallel
-    bound = pipeline.speed_bound(pipeline._prepare(params, mesh, pipeline.PlanOptions(budget="1GB", **common)))
-    assert everything.predicted_samples_per_second <= bound
+    prepared = pipeline._prepare(params, mesh, pipeline.PlanOptions(budget="1GB", **common))
+    bound = pipeline.speed_bound(prepared, pipeline.step_matmul_flops(prepared, params))
+    assert everything.predicted_samples_per_second <= bound <= pipeline.speed_bound(prepared)
     assert (bound < auto.predicted_samples_per_second) == ruled_out

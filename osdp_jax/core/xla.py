@@ -108,6 +108,31 @@ def _dot_flops(jaxpr) -> tuple[float, float]:
     return every, once
 
 
+REMAT_PRIMITIVES = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primitive, as jaxprs name it
+
+
+def matmul_flops(jaxpr, *, remat_only: bool = False, branch=max) -> float:
+    """The matmul FLOPs of a jaxpr's every iteration: ``2 * prod(out) * prod(contracted)`` per
+    ``dot_general``, a ``scan`` body times its length, one branch of a ``cond`` (``branch`` of
+    theirs: ``min`` for a lower bound), other sub-jaxprs as they come; ``remat_only``: only those
+    inside a ``jax.checkpoint``."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            if not remat_only:
+                (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+            continue
+        inside = remat_only and eqn.primitive.name not in REMAT_PRIMITIVES
+        subs = [matmul_flops(j, remat_only=inside, branch=branch) for j in _sub_jaxprs(eqn)]
+        if not subs:
+            continue
+        flops = branch(subs) if eqn.primitive.name == "cond" else sum(subs)
+        total += flops * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+    return total
+
+
 def loop_flops(jaxpr) -> float:
     """The matmul FLOPs XLA's ``cost_analysis`` leaves out of a step: it counts a loop's body once,
     whatever its trip count (a scan of 16 layers reports the FLOPs of 1), so the iterations after

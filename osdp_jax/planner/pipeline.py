@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from osdp_jax.core.bytes import format_bytes, parse_bytes
-from osdp_jax.core.describe import check_optimizer, unboxed_treedef
+from osdp_jax.core.describe import check_optimizer, strip_boxes, unboxed_treedef
 from osdp_jax.core.gc import paused
 from osdp_jax.core.hardware import default_hardware, resolve_hardware
 from osdp_jax.core.layout import check_dtype, whole_spec
@@ -35,6 +35,7 @@ from osdp_jax.core.strategies import (
     check_strategies,
     data_axes,
 )
+from osdp_jax.core.xla import matmul_flops
 from osdp_jax.planner import probe_store as _probe_store
 from osdp_jax.planner.calibration import (
     MARGINS,
@@ -460,8 +461,9 @@ def _fastest_configuration(params, configurations, plan_options: PlanOptions) ->
     verification); the best draft is verified, and the next verified only if its draft beats
     that: one verification compile where the first wins."""
     verify = plan_options.verify
-    bounded = sorted(((speed_bound(_prepare(params, m, o)), m, o) for m, o in configurations),
-                     key=lambda x: -x[0])
+    prepared = [(_prepare(params, m, o), m, o) for m, o in configurations]
+    flops = step_matmul_flops(prepared[0][0], params) if len(prepared) > 1 else 0.0
+    bounded = sorted(((speed_bound(p, flops), m, o) for p, m, o in prepared), key=lambda x: -x[0])
     speed = functools.partial(_speed, gain=plan_options.segment_gain)
     drafts, errors = [], []
     for bound, mesh, options in bounded:
@@ -965,11 +967,12 @@ def _with_tensor_seconds(tables, problem: Problem, size: int, hw):
     return dataclasses.replace(tables, time=time)
 
 
-def speed_bound(prepared: _Prepared) -> float:
+def speed_bound(prepared: _Prepared, step_flops: float = 0.0) -> float:
     """An upper bound on the samples/s of any plan of ``prepared``'s problem, from the time model
     alone (no probe). A step takes ``F + max(0, C - overlap F)`` (``step_seconds``), which grows
     with F (overlap <= 1) and with C: at least that at ``F >= F0``, the FLOPs every plan computes
-    (:func:`compute_floor`), and ``C >=`` the collectives of each parameter's cheapest choice plus
+    per device (:func:`compute_floor`; ``step_flops``: the step's matmul FLOPs per global sample
+    on one device, :func:`step_matmul_flops`), and ``C >=`` the collectives of each parameter's cheapest choice plus
     the model axis's all-reduces (:func:`_with_tensor_seconds`); so at most ``max_b b / T(b)``
     samples/s over the global batch sizes b. inf without a batch, with timed probes (they
     rescale the collectives and the compute), where the step's time is 0, and where a layer
@@ -985,9 +988,31 @@ def speed_bound(prepared: _Prepared) -> float:
                              np.zeros(len(problem.infos)), 0, problem.topo, hw, _batch_bytes(batch), None,
                              problem.in_loop, frozenset(problem.units), gather_ratio=problem.gather_ratio())
         comm = _with_tensor_seconds(tables, problem, size, hw).time.min(axis=1).sum()
-        seconds = step_seconds(compute_floor(problem, size) / hw.flops, comm, hw.overlap)
+        floor = max(compute_floor(problem, size), step_flops * size / (problem.n * problem.model_size))
+        seconds = step_seconds(floor / hw.flops, comm, hw.overlap)
         best = max(best, size / seconds if seconds > 0 else math.inf)
     return best
+
+
+def step_matmul_flops(prepared: _Prepared, params) -> float:
+    """Per global sample, the matmul FLOPs one device computes for a training step of the loss
+    with every sample on it and no remat (``osdp_jax.core.xla.matmul_flops``): those of the loss's
+    gradient, traced abstractly at the smallest batch size, less those inside ``jax.checkpoint``
+    in the loss (what the gradient may compute again), a ``cond`` counted by its cheapest
+    branch. Spread over D devices, no plan computes less than ``1/D`` of it per device. 0 where the
+    loss cannot be differentiated so (a parameter that is not floating point)."""
+    size = min(prepared.batches)
+    loss, batch = prepared.plan_options.loss_fn, prepared.batches[size]
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), strip_boxes(params))
+    try:
+        grad = jax.make_jaxpr(jax.grad(loss))(abstract, batch).jaxpr
+        forward = jax.make_jaxpr(loss)(abstract, batch).jaxpr
+    except Exception as e:  # a floor of 0 is still a bound; the plan itself says what fails
+        log.debug("the step's matmul FLOPs not counted (%s: %s): the configurations' bounds count the dense "
+                  "layers' only", type(e).__name__, e)
+        return 0.0
+    flops = matmul_flops(grad, branch=min) - matmul_flops(forward, remat_only=True, branch=max)
+    return max(0.0, flops) / size
 
 
 def compute_floor(problem: Problem, size: int) -> float:
