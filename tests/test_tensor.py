@@ -552,6 +552,18 @@ def test_a_batch_smaller_than_the_device_count_is_planned_with_tensor_parallelis
     np.testing.assert_allclose(losses, _one_device(loss_fn, params, batch, opt), rtol=1e-5)
 
 
+def test_a_stack_of_the_models_own_scan_is_planned_without_and_the_log_says_why(caplog):
+    """An ``nn.scan`` stack's kernels take no tensor role: ``tensor="auto"`` plans every axis
+    data-parallel, and its log names the scan and ``osdp_jax.layers.scan``."""
+    params, loss_fn, batch = foreign.linen_scanned(d=64, depth=2, batch=8)
+    with caplog.at_level("INFO", logger="osdp_jax"):
+        plan = osdp_jax.plan(params, _mesh(), budget="1GB", loss_fn=loss_fn, batch=batch, tensor="auto",
+                             units=(), verify=False)
+    assert plan.model_axis is None and plan.mesh_shape == (("data", 2), ("model", 4))
+    assert re.search(r"no column/row pair found .* outside the model's own scan \(nn.scan or nnx.scan\), whose "
+                     r"layers' kernels \(.*kernel, \.\.\.\) stay data-parallel; .* osdp_jax.layers.scan", caplog.text)
+
+
 def test_tensor_options_that_cannot_work_are_one_clear_error():
     params, loss_fn, batch = foreign.uneven_mlp(widths=(512,), d=128, batch=8)
     flat = jax.make_mesh((8,), ("data",))

@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 from osdp_jax.core.bytes import format_bytes, parse_bytes
-from osdp_jax.core.describe import check_optimizer, strip_boxes, unboxed_treedef
+from osdp_jax.core.describe import check_optimizer, describe, strip_boxes, unboxed_treedef
 from osdp_jax.core.gc import paused
 from osdp_jax.core.hardware import default_hardware, resolve_hardware
 from osdp_jax.core.layout import check_dtype, whole_spec
@@ -51,6 +51,7 @@ from osdp_jax.planner.calibration import (
     uncalibrated,
 )
 from osdp_jax.planner.cost import cost_tables, items_within, optimizer_bytes, step_seconds
+from osdp_jax.planner.discover import find
 from osdp_jax.planner.loss import PlainLoss
 from osdp_jax.planner.problem import Problem, build_problem
 from osdp_jax.planner.search import (
@@ -320,9 +321,23 @@ def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
     plan_options = dataclasses.replace(plan_options, optimizer=_optimizer(plan_options.optimizer), axis=axes)
     configurations = _configurations(params, mesh, plan_options)
     if not configurations:
-        log.info("tensor parallelism: no column/row pair found in the model's dense calls; planned without")
+        log.info("tensor parallelism: no column/row pair found in the model's dense calls%s; planned without",
+                 _scanned_dense(params, plan_options))
         return plan(params, mesh, dataclasses.replace(plan_options, tensor=None, axis=None, sequence=False))
     return _fastest_configuration(params, configurations, plan_options)
+
+
+def _scanned_dense(params, plan_options: PlanOptions) -> str:
+    """Where the model's own scan (``nn.scan``, ``nnx.scan``) runs stacked kernels, which take no
+    tensor role: a note saying so and naming ``osdp_jax.layers.scan``; else ``""``."""
+    loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
+    found = find(loss, params, batch)
+    scanned = sorted(i.path for i in describe(params) if i.path in found.model_loop and len(i.shape) >= 3)
+    if not scanned:
+        return ""
+    return (f" outside the model's own scan (nn.scan or nnx.scan), whose layers' kernels ({scanned[0]}, ...) stay "
+            f"data-parallel; a stack run by osdp_jax.layers.scan is split per layer")
 
 
 def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
