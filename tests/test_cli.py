@@ -176,7 +176,23 @@ def test_compare_mini_with_tensor_parallelism_adds_its_row(tmp_path):
     tp = rows["OSDP+TP"]
     assert tp["fits"] and tp["model_axis"] == "model" and tp["tensor"] > 0 and tp["sequence"] is True
     assert tp["xla_peak_bytes"] <= osdp_jax.parse_bytes("3MiB")  # the config's budget
-    assert rows["OSDP"]["tensor"] == 0 and "split over 'model'" in (out / "comparison.md").read_text()
+    text = (out / "comparison.md").read_text()
+    assert rows["OSDP"]["tensor"] == 0 and "split over 'model' (mesh data 2 x model 4)" in text
+
+
+@pytest.mark.slow
+def test_compare_plans_the_tensor_parallel_row_on_the_model_sizes_given(tmp_path):
+    """plan.model_sizes = [2] on a 2 (data) x 4 (model) mesh: the OSDP+TP row is planned for a 4 x
+    2 mesh of the same devices, says so, and trains there."""
+    out = tmp_path / "cmp"
+    assert cli.main(["compare", "experiments/gpt2_mini.toml", "--out", str(out), "--measure-steps", "2",
+                     "--plan.batch_sizes=32", "--mesh.shape=2,4", "--mesh.axes=data,model",
+                     "--plan.tensor=on", "--plan.model_sizes=2", "--plan.budget=1GiB"]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "comparison.json").read_text())["rows"]}
+    tp = rows["OSDP+TP"]
+    assert tp["fits"] and tp["tensor"] > 0 and tp["mesh_shape"] == {"data": 4, "model": 2}
+    assert tp["measured_samples_per_second"] > 0 and rows["OSDP"]["mesh_shape"] == {"data": 2, "model": 4}
+    assert "(mesh data 4 x model 2)" in (out / "comparison.md").read_text()
 
 
 @pytest.mark.slow

@@ -54,6 +54,10 @@ def write(tmp_path, text):
     ('[model]\npreset = "gpt2-mini"\n[plan]\ntensor = "auto"\n', r"plan\.tensor: must be 'off' or 'on'"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\nsequence = "yes"\n', r"plan\.sequence: must be 'off', 'on' or 'auto'"),
     ('[model]\npreset = "gpt2-mini"\n[plan]\ntensor = "on"\n', r"plan\.model_axis: tensor = 'on' needs a mesh"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nmodel_sizes = [2]\n', r"plan\.model_sizes: applies to the OSDP\+TP row"),
+    ('[model]\npreset = "gpt2-mini"\n[plan]\nmodel_sizes = [0]\n', r"plan\.model_sizes: sizes must be positive"),
+    ('[model]\npreset = "gpt2-mini"\n[mesh]\nshape = [2, 4]\naxes = ["data", "model"]\n[plan]\ntensor = "on"\n'
+     'model_sizes = [3]\n', r"plan\.model_sizes: model_sizes must be .* some of \(1, 2, 4\)"),
 ])
 def test_bad_configs(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -57,6 +57,8 @@ class PlanConfig:
     tensor: str = "off"  # "on": compare also adds OSDP+TP, the model's column/row pairs split over model_axis
     model_axis: str = "model"  # the mesh axis tensor parallelism splits over (with tensor = "on")
     sequence: str = "off"  # with tensor = "on": "on" sequence parallelism in the OSDP+TP row; "auto" with and without
+    model_sizes: tuple[int, ...] = ()  # with tensor = "on": the model-axis sizes the OSDP+TP row plans (the model
+    #                                    axis and its neighbouring data axis shared anew); [] = the mesh's own
     compilation_cache: str = "~/.cache/osdp-jax/xla"  # JAX's persistent compilation cache; "" = off
     probe_store: bool = True  # also keep the planner's probe figures in compilation_cache/probes
 
@@ -122,10 +124,22 @@ def _check(cfg: ExperimentConfig):
         _fail("plan.tensor", f"must be 'off' or 'on', got {cfg.plan.tensor!r}")
     if cfg.plan.sequence not in ("off", "on", "auto"):
         _fail("plan.sequence", f"must be 'off', 'on' or 'auto', got {cfg.plan.sequence!r}")
+    if any(t <= 0 for t in cfg.plan.model_sizes):
+        _fail("plan.model_sizes", f"sizes must be positive, got {list(cfg.plan.model_sizes)}")
+    if cfg.plan.model_sizes and cfg.plan.tensor != "on":
+        _fail("plan.model_sizes", "applies to the OSDP+TP row: set plan.tensor = 'on' too, or drop it")
     if cfg.plan.tensor == "on" and (cfg.plan.model_axis not in cfg.mesh.axes or len(cfg.mesh.axes) < 2):
         _fail("plan.model_axis", f"tensor = 'on' needs a mesh with the model axis {cfg.plan.model_axis!r} and a "
                                  f"data axis beside it, e.g. mesh.shape = [2, 4] and mesh.axes = ['data', "
                                  f"'{cfg.plan.model_axis}']; the mesh's axes are {list(cfg.mesh.axes)}")
+    if cfg.plan.model_sizes and cfg.plan.tensor == "on":
+        from osdp_jax.planner.pipeline import model_sizes_for
+        shape = dict(zip(cfg.mesh.axes, cfg.mesh.shape))
+        try:
+            model_sizes_for(tuple(cfg.plan.model_sizes), {}, shape, cfg.plan.model_axis,
+                            tuple(a for a in cfg.mesh.axes if a != cfg.plan.model_axis))
+        except ValueError as e:
+            _fail("plan.model_sizes", str(e))
     n = math.prod(cfg.mesh.shape)
     if not cfg.plan.batch_sizes:
         _fail("plan.batch_sizes", "give at least one batch size")

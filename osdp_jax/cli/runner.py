@@ -141,7 +141,8 @@ def make_plan(s: Setup, strategies=None, splits=None, verify=True, remat=None, p
         # the config's microbatch counts for its own space; a method with its strategies fixed
         # (DDP, FSDP, ZeRO-2, OSDP as the original) runs the whole batch at once
         microbatches=p.microbatches if strategies is None else (1,), tensor=tensor, model_axis=p.model_axis,
-        sequence={"off": False, "on": True, "auto": "auto"}[p.sequence] if tensor is not None else False)
+        sequence={"off": False, "on": True, "auto": "auto"}[p.sequence] if tensor is not None else False,
+        model_sizes=tuple(p.model_sizes) or None if tensor is not None else None)
 
 
 def addition_accuracy(s: Setup, params) -> float:
@@ -589,10 +590,11 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
                    microbatches=plan.microbatches,
                    predicted_step_seconds=plan.predicted_step_seconds,
                    predicted_collective_seconds=plan.predicted_collective_seconds,
-                   tensor=len(plan.tensor), model_axis=plan.model_axis, sequence=plan.sequence)
+                   tensor=len(plan.tensor), model_axis=plan.model_axis, sequence=plan.sequence,
+                   mesh_shape=dict(plan.mesh_shape))
         if trainable and measure_steps > 0:
             sub = dataclasses.replace(s, cfg=dataclasses.replace(
-                s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)))
+                s.cfg, train=dataclasses.replace(s.cfg.train, steps=measure_steps)), mesh=_plan_mesh(s.mesh, plan))
             result = train(sub, out, plan=plan, progress=progress, write=False)
             row["measured_samples_per_second"] = result["samples_per_second"]
         rows.append(row)
@@ -604,6 +606,14 @@ def compare(s: Setup, out: pathlib.Path, measure_steps: int = 8, progress=True) 
     (out / "comparison.md").write_text(comparison_markdown(s, rows))
     plot_comparison(s, rows, out / "comparison.png")
     return rows
+
+
+def _plan_mesh(mesh, plan: osdp_jax.Plan):
+    """``mesh``, or where the plan was made for another shape of its devices (``plan.model_sizes``),
+    that shape over the same devices and axis types (``Plan.make_mesh``)."""
+    if not plan.mesh_shape or dict(plan.mesh_shape) == dict(mesh.shape):
+        return mesh
+    return plan.make_mesh(devices=list(mesh.devices.flat), axis_types=mesh.axis_types)
 
 
 def segments_text(plan: osdp_jax.Plan) -> str:
@@ -639,7 +649,9 @@ def comparison_markdown(s: Setup, rows) -> str:
         meas = r.get("measured_samples_per_second")
         splits = ", ".join(f"{p.removesuffix('/kernel')} k={k}" for p, k in r.get("splits", {}).items()) or "-"
         batch = f"{r['batch_size']}" + (f" ({r['microbatches']} microbatches)" if r.get("microbatches", 1) > 1 else "")
-        counts = f"{r['counts']}" + (f", {r['tensor']} split over {r['model_axis']!r}" if r.get("tensor") else "")
+        mesh = r.get("mesh_shape") or {}
+        counts = f"{r['counts']}" + (f", {r['tensor']} split over {r['model_axis']!r} (mesh "
+                                     f"{' x '.join(f'{a} {n}' for a, n in mesh.items())})" if r.get("tensor") else "")
         lines.append(f"| {r['method']} | yes | {batch} | {counts} | {splits} | {r.get('segments', '-')} "
                      f"| {f(r['predicted_peak_bytes'])} "
                      f"| {f(r['xla_peak_bytes'])} | {r['predicted_samples_per_second']:.1f} "

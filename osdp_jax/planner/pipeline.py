@@ -353,7 +353,7 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
     sizes = plan_options.batch_sizes or (check_batch_leaves(plan_options.batch),)
     out = []
-    for t in _model_sizes(plan_options.model_sizes, tensor, mesh, model, plan_options.axis):
+    for t in model_sizes_for(plan_options.model_sizes, tensor, dict(mesh.shape), model, plan_options.axis):
         if t == 1:
             if all(b % mesh.size == 0 for b in sizes):  # else only tensor parallelism can split it
                 out.append((mesh, dataclasses.replace(plan_options, tensor=None, axis=None, sequence=False)))
@@ -435,13 +435,14 @@ def _check_sequence(plan_options: PlanOptions) -> None:
                          "parallelism: pass tensor= too (e.g. tensor='auto'), or drop sequence=")
 
 
-def _model_sizes(model_sizes, tensor, mesh, model: str, axes: tuple) -> tuple[int, ...]:
-    """The model-axis sizes to plan: ``model_sizes`` checked; None: the mesh's own (and 1, every
-    axis data-parallel, with ``tensor="auto"``); ``"auto"``: every size from 1 that divides the
-    model axis and its neighbouring data axis together."""
-    own, pool = mesh.shape[model], mesh.shape[model] * mesh.shape[axes[-1]]
-    # at model size t, mesh.size // t devices are data-parallel: at least 2 where t > 1
-    fits = tuple(t for t in range(1, pool + 1) if pool % t == 0 and (t == 1 or mesh.size // t >= 2))
+def model_sizes_for(model_sizes, tensor, shape: dict, model: str, axes: tuple) -> tuple[int, ...]:
+    """The model-axis sizes to plan on a mesh of ``shape`` (axis -> devices) with data axes
+    ``axes``: ``model_sizes`` checked (one clear ``ValueError``); None: the mesh's own (and 1,
+    every axis data-parallel, with ``tensor="auto"``); ``"auto"``: every size from 1 that divides
+    the model axis and its neighbouring data axis together."""
+    own, pool, size = shape[model], shape[model] * shape[axes[-1]], math.prod(shape.values())
+    # at model size t, size // t devices are data-parallel: at least 2 where t > 1
+    fits = tuple(t for t in range(1, pool + 1) if pool % t == 0 and (t == 1 or size // t >= 2))
     if model_sizes is None:
         return (1, own) if tensor == "auto" else (own,)
     if isinstance(model_sizes, str) and model_sizes == "auto":
