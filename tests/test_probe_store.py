@@ -80,11 +80,11 @@ def test_another_mesh_or_another_osdp_jax_reads_nothing(mesh, store, monkeypatch
     """The files are keyed by the devices and by osdp_jax's own source, as well as by the loss,
     the optimizer state, the parameters, the probe's layout and the batch."""
     _plan(mesh, "64GB")
-    n = len(list(store.glob("*.json")))
+    eight = set(store.glob("*.json"))
     _fresh_process()
     four = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     assert _plan(four, "64GB").probes_read == 0
-    assert len(list(store.glob("*.json"))) == 2 * n
+    assert eight and set(store.glob("*.json")) > eight  # its probes written beside the others'
     _fresh_process()
     monkeypatch.setattr(_probe_store, "_source_digest", lambda: "another osdp_jax")
     assert _plan(mesh, "64GB").probes_read == 0
