@@ -84,16 +84,21 @@ def _sub_jaxprs(eqn):
                 yield inner
 
 
+def _dot_general_flops(eqn) -> float:
+    """A ``dot_general`` equation's FLOPs: ``2 * prod(out) * prod(contracted)``."""
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+
+
 def _dot_flops(jaxpr) -> tuple[float, float]:
-    """``(every iteration, each loop body once)`` matmul FLOPs of a jaxpr: ``2 * prod(out) *
-    prod(contracted)`` per ``dot_general``, a ``scan`` body times its length in the first figure
-    and once in the second; other sub-jaxprs (jit, remat, custom_vjp, shard_map) as they come."""
+    """``(every iteration, each loop body once)`` matmul FLOPs of a jaxpr (:func:`_dot_general_flops`
+    per ``dot_general``), a ``scan`` body times its length in the first figure and once in the
+    second; other sub-jaxprs (jit, remat, custom_vjp, shard_map) as they come."""
     every = once = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+            flops = _dot_general_flops(eqn)
             every, once = every + flops, once + flops
             continue
         subs = [_dot_flops(j) for j in _sub_jaxprs(eqn)]
@@ -112,17 +117,14 @@ REMAT_PRIMITIVES = ("checkpoint", "remat", "remat2")  # jax.checkpoint's primiti
 
 
 def matmul_flops(jaxpr, *, remat_only: bool = False, branch=max) -> float:
-    """The matmul FLOPs of a jaxpr's every iteration: ``2 * prod(out) * prod(contracted)`` per
-    ``dot_general``, a ``scan`` body times its length, one branch of a ``cond`` (``branch`` of
+    """The matmul FLOPs of a jaxpr's every iteration (:func:`_dot_general_flops` per
+    ``dot_general``), a ``scan`` body times its length, one branch of a ``cond`` (``branch`` of
     theirs: ``min`` for a lower bound), other sub-jaxprs as they come; ``remat_only``: only those
     inside a ``jax.checkpoint``."""
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            if not remat_only:
-                (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-                lhs = eqn.invars[0].aval.shape
-                total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+            total += 0.0 if remat_only else _dot_general_flops(eqn)
             continue
         inside = remat_only and eqn.primitive.name not in REMAT_PRIMITIVES
         subs = [matmul_flops(j, remat_only=inside, branch=branch) for j in _sub_jaxprs(eqn)]

@@ -327,11 +327,17 @@ def _tensor_plan(params, mesh, plan_options: PlanOptions) -> Plan:
     return _fastest_configuration(params, configurations, plan_options)
 
 
+def _traced_loss(plan_options: PlanOptions) -> tuple:
+    """``(loss, batch)`` as the pairs are found from them: the plain loss (``PlainLoss``) and the
+    batch's shapes."""
+    loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
+    return loss, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
+
+
 def _scanned_dense(params, plan_options: PlanOptions) -> str:
     """Where the model's own scan (``nn.scan``, ``nnx.scan``) runs stacked kernels, which take no
     tensor role: a note saying so and naming ``osdp_jax.layers.scan``; else ``""``."""
-    loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
+    loss, batch = _traced_loss(plan_options)
     found = find(loss, params, batch)
     scanned = sorted(i.path for i in describe(params) if i.path in found.model_loop and len(i.shape) >= 3)
     if not scanned:
@@ -349,8 +355,7 @@ def _configurations(params, mesh, plan_options: PlanOptions) -> list[tuple]:
     ``tensor="auto"`` also with only the pairs whose split the time model says pays
     (:func:`_paying_pairs`), where that is some of them but not all."""
     model, tensor = plan_options.model_axis, plan_options.tensor
-    loss = PlainLoss.of(plan_options.loss_fn, plan_options.has_aux, plan_options.rng, plan_options.state)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), plan_options.batch)
+    loss, batch = _traced_loss(plan_options)
     sizes = plan_options.batch_sizes or (check_batch_leaves(plan_options.batch),)
     out = []
     for t in model_sizes_for(plan_options.model_sizes, tensor, dict(mesh.shape), model, plan_options.axis):
@@ -404,15 +409,8 @@ def split_pays(prepared: _Prepared, groups: list[dict], size: int) -> list[bool]
     FLOPs per sample, ``Problem.dense_flops``, three times that with the backward pass; b / N
     samples per data-parallel group). The pair kept whole is data-parallel only, computed alike on the t devices."""
     problem, hw = prepared.problem, prepared.hw
-    batch_bytes = _batch_bytes(prepared.batches[size])
-
-    def cheapest(infos):
-        return cost_tables(infos, problem.available, problem.columns, np.zeros(len(infos)), 0, problem.topo, hw,
-                           batch_bytes, None, problem.in_loop, frozenset(problem.units),
-                           gather_ratio=problem.gather_ratio())
-
-    split = _with_tensor_seconds(cheapest(problem.cost_infos()), problem, size, hw).time.min(axis=1)
-    whole = cheapest(list(problem.infos)).time.min(axis=1)
+    split = _cheapest_seconds(prepared, size)
+    whole = _cheapest_seconds(prepared, size, whole=True)
     index = {info.path: k for k, info in enumerate(problem.infos)}
     share = 3 * (1 - 1 / problem.model_size) * size / problem.n / hw.flops
     pays = []
@@ -517,12 +515,12 @@ def _fastest_configuration(params, configurations, plan_options: PlanOptions) ->
 def _configuration_name(tensor, shape: dict) -> str:
     """E.g. ``"mesh data 2 x model 4, tensor-parallel"`` (``tensor``: a ``TensorRoles``, a plan
     with a model axis, or None)."""
+    mesh = "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items())
     if tensor is None:
-        return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + ", every axis data-parallel"
+        return mesh + ", every axis data-parallel"
     pairs = getattr(tensor, "pairs", "")
-    kind = (", tensor- and sequence-parallel" if tensor.sequence else ", tensor-parallel") + (
-        f" ({pairs})" if pairs else "")
-    return "mesh " + " x ".join(f"{a} {n}" for a, n in shape.items()) + kind
+    kind = ", tensor- and sequence-parallel" if tensor.sequence else ", tensor-parallel"
+    return mesh + kind + (f" ({pairs})" if pairs else "")
 
 
 def _checked(plan_options: PlanOptions, strategies: tuple, axes: tuple) -> PlanOptions:
@@ -999,15 +997,25 @@ def speed_bound(prepared: _Prepared, step_flops: float = 0.0) -> float:
     if options.measure_time or None in prepared.batches or (saves and hw.overlap > 0):
         return math.inf
     best = 0.0
-    for size, batch in prepared.batches.items():
-        tables = cost_tables(problem.cost_infos(), problem.available, problem.columns,
-                             np.zeros(len(problem.infos)), 0, problem.topo, hw, _batch_bytes(batch), None,
-                             problem.in_loop, frozenset(problem.units), gather_ratio=problem.gather_ratio())
-        comm = _with_tensor_seconds(tables, problem, size, hw).time.min(axis=1).sum()
+    for size in prepared.batches:
+        comm = _cheapest_seconds(prepared, size).sum()
         floor = max(compute_floor(problem, size), step_flops * size / (problem.n * problem.model_size))
         seconds = step_seconds(floor / hw.flops, comm, hw.overlap)
         best = max(best, size / seconds if seconds > 0 else math.inf)
     return best
+
+
+def _cheapest_seconds(prepared: _Prepared, size: int, whole: bool = False) -> np.ndarray:
+    """Per parameter, the seconds of its cheapest choice's collectives at global batch ``size`` by
+    the uncalibrated time model: as one device of the model axis holds it, with the model axis's
+    all-reduces on its row kernels (:func:`_with_tensor_seconds`); ``whole``: every parameter
+    whole, with no model axis."""
+    problem, hw = prepared.problem, prepared.hw
+    infos = list(problem.infos) if whole else problem.cost_infos()
+    tables = cost_tables(infos, problem.available, problem.columns, np.zeros(len(infos)), 0, problem.topo, hw,
+                         _batch_bytes(prepared.batches[size]), None, problem.in_loop, frozenset(problem.units),
+                         gather_ratio=problem.gather_ratio())
+    return (tables if whole else _with_tensor_seconds(tables, problem, size, hw)).time.min(axis=1)
 
 
 def step_matmul_flops(prepared: _Prepared, params) -> float:
